@@ -1,0 +1,376 @@
+"""Train the bundled tiny model pair from scratch, on CPU, reproducibly.
+
+    python -m benchmarks.tiny_pair.train --out models            # everything
+    python -m benchmarks.tiny_pair.train --stages drafter        # one stage
+
+Stages (each caches its result under --work, so a rerun skips what is done):
+
+1. ``tokenizer``: byte-level BPE over the Python standard library's own source
+   (the interpreter running this script), with ``<|endoftext|>`` (eos),
+   ``<|mask|>`` (the DFlash mask token) and a minimal chat template.
+2. ``target``: a small ``Qwen3ForCausalLM`` (GQA) trained on that corpus.
+3. ``distill``: the target's own greedy continuations of corpus prefixes.
+4. ``drafter``: a z-lab-format DFlash drafter (``DFlashDraftModel``,
+   ``block_size`` 16) trained on those continuations with the block objective
+   ``[anchor, MASK x 15] -> next 15 target tokens``, conditioned on the
+   target's hidden states at ``target_layer_ids``; it shares the target's
+   ``embed_tokens`` and ``lm_head``.
+
+Outputs: ``<out>/tiny-qwen3`` (target + tokenizer), ``<out>/tiny-qwen3-dflash``
+(drafter), and ``<out>/training_log.json`` with the loss curves.
+All randomness is seeded; results are reproducible on the same interpreter,
+torch version and thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import random
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from benchmarks.tiny_pair.dflash_torch import DFlashDrafter
+
+SPECIALS = ["<|endoftext|>", "<|mask|>", "<|im_start|>", "<|im_end|>"]
+EOS_ID, MASK_ID = 0, 1
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+TARGET = dict(vocab_size=4096, hidden_size=192, intermediate_size=576, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=48,
+              max_position_embeddings=2048, rope_theta=10000.0)
+TARGET_LAYER_IDS = [0, 1, 2]  # strictly below the last layer (see docs/design.md)
+DRAFTER = dict(layers=2, heads=4, kv_heads=2, head_dim=48, inter=576, block_size=16)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# --------------------------------------------------------------------------- corpus
+def corpus_files() -> tuple[list[str], list[str]]:
+    root = sysconfig.get_paths()["stdlib"]
+    files = sorted(f for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+                   if "site-packages" not in f)
+    rng = random.Random(1234)
+    rng.shuffle(files)
+    n_val = max(1, len(files) // 50)
+    return files[n_val:], files[:n_val]
+
+
+def read(f: str) -> str:
+    with open(f, encoding="utf-8", errors="replace") as fh:
+        return fh.read()
+
+
+# --------------------------------------------------------------------------- stage 1
+def train_tokenizer(work: Path, vocab: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tdir = work / "tokenizer"
+    if (tdir / "tokenizer.json").exists():
+        return PreTrainedTokenizerFast.from_pretrained(tdir)
+    train, _ = corpus_files()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    log(f"tokenizer: training BPE (vocab {vocab}) on {len(train)} files")
+    tok.train_from_iterator((read(f) for f in train), trainer=trainer)
+    assert tok.token_to_id("<|endoftext|>") == EOS_ID and tok.token_to_id("<|mask|>") == MASK_ID
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>", mask_token="<|mask|>",
+                                   additional_special_tokens=SPECIALS[2:])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(tdir)
+    return fast
+
+
+def token_stream(tok, files: list[str]) -> torch.Tensor:
+    ids: list[int] = []
+    for enc in tok(list(read(f) for f in files), add_special_tokens=False)["input_ids"]:
+        ids.extend(enc)
+        ids.append(EOS_ID)
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+def streams(tok, work: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    path = work / "tokens.pt"
+    if path.exists():
+        d = torch.load(path)
+        return d["train"], d["val"]
+    train, val = corpus_files()
+    d = {"train": token_stream(tok, train), "val": token_stream(tok, val)}
+    torch.save(d, path)
+    log(f"corpus: {d['train'].numel()/1e6:.2f}M train tokens, {d['val'].numel()/1e6:.2f}M val")
+    return d["train"], d["val"]
+
+
+# --------------------------------------------------------------------------- stage 2
+def target_config():
+    from transformers import Qwen3Config
+    return Qwen3Config(**TARGET, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                       bos_token_id=EOS_ID, eos_token_id=EOS_ID, pad_token_id=EOS_ID,
+                       attention_dropout=0.0, use_cache=True)
+
+
+def batches(stream: torch.Tensor, seq: int, bsz: int, gen: torch.Generator):
+    while True:
+        starts = torch.randint(0, stream.numel() - seq - 1, (bsz,), generator=gen)
+        yield torch.stack([stream[s:s + seq + 1] for s in starts.tolist()]).long()
+
+
+@torch.no_grad()
+def eval_loss(model, val: torch.Tensor, seq: int, n: int = 16) -> float:
+    model.eval()
+    gen = torch.Generator().manual_seed(7)
+    x = next(batches(val, seq, n, gen))
+    out = model(input_ids=x[:, :-1]).logits
+    model.train()
+    return F.cross_entropy(out.flatten(0, 1), x[:, 1:].flatten()).item()
+
+
+def train_target(tok, work: Path, steps: int, seq: int, bsz: int, lr: float, curves: dict):
+    from transformers import Qwen3ForCausalLM
+    tdir = work / "target"
+    if (tdir / "config.json").exists():
+        return Qwen3ForCausalLM.from_pretrained(tdir, dtype=torch.float32)
+    train, val = streams(tok, work)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(target_config()).float()
+    log(f"target: {sum(p.numel() for p in model.parameters())/1e6:.2f}M params, "
+        f"{steps} steps x {bsz} x {seq} tokens")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warm = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+    gen = torch.Generator().manual_seed(1)
+    it = batches(train, seq, bsz, gen)
+    curves["target_train"], curves["target_val"] = [], []
+    bar = tqdm(range(steps), desc="target", mininterval=10)
+    for step in bar:
+        x = next(it)
+        loss = F.cross_entropy(model(input_ids=x[:, :-1]).logits.flatten(0, 1), x[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        curves["target_train"].append([step, loss.item()])
+        if step % 100 == 0 or step == steps - 1:
+            v = eval_loss(model, val, seq)
+            curves["target_val"].append([step, v])
+            bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{v:.3f}")
+    model.save_pretrained(tdir, safe_serialization=True)
+    return model
+
+
+# --------------------------------------------------------------------------- stage 3
+@torch.no_grad()
+def distill(model, tok, work: Path, n_seqs: int, new_tokens: int, bsz: int) -> list[torch.Tensor]:
+    path = work / "distill.pt"
+    if path.exists():
+        return torch.load(path)
+    train, _ = streams(tok, work)
+    gen = torch.Generator().manual_seed(2)
+    model.eval()
+    seqs: list[torch.Tensor] = []
+    for _ in tqdm(range(math.ceil(n_seqs / bsz)), desc="distill", mininterval=10):
+        plen = int(torch.randint(16, 257, (1,), generator=gen))
+        starts = torch.randint(0, train.numel() - plen, (bsz,), generator=gen)
+        prompts = torch.stack([train[s:s + plen] for s in starts.tolist()]).long()
+        out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=EOS_ID, eos_token_id=None)
+        for row in out:
+            seqs.append(torch.cat([torch.tensor([plen]), row]).to(torch.int32))
+    torch.save(seqs, path)
+    return seqs
+
+
+# --------------------------------------------------------------------------- stage 4
+def features(model, ids: torch.Tensor) -> torch.Tensor:
+    """The target's residual stream after each layer in TARGET_LAYER_IDS (before the
+    final norm): what vLLM hands the drafter as auxiliary hidden states."""
+    hs = model(input_ids=ids, output_hidden_states=True).hidden_states
+    return torch.cat([hs[i + 1] for i in TARGET_LAYER_IDS], dim=-1)
+
+
+def train_drafter(model, seqs, work: Path, steps: int, bsz: int, anchors: int, lr: float,
+                  decay: float, curves: dict) -> DFlashDrafter:
+    path = work / "drafter.pt"
+    cfg = model.config
+    torch.manual_seed(3)
+    drafter = DFlashDrafter(hidden=cfg.hidden_size, num_features=len(TARGET_LAYER_IDS),
+                            rope_theta=cfg.rope_parameters["rope_theta"], **DRAFTER)
+    with torch.no_grad():
+        drafter.mask_embedding.copy_(model.model.embed_tokens.weight[MASK_ID])
+    if path.exists():
+        drafter.load_state_dict(torch.load(path))
+        return drafter
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    embed, lm_head = model.model.embed_tokens, model.lm_head
+    K = DRAFTER["block_size"] - 1
+    weights = torch.exp(-torch.arange(K, dtype=torch.float32) / decay)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warm = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+    rng = random.Random(4)
+    n_val = 64
+    val, train = seqs[:n_val], seqs[n_val:]
+    curves["drafter_train"], curves["drafter_val"], curves["drafter_val_acc"] = [], [], []
+
+    def make_batch(pool, r: random.Random):
+        rows = [pool[r.randrange(len(pool))] for _ in range(bsz)]
+        n = max(len(s) - 1 for s in rows)
+        ids = torch.full((bsz, n), EOS_ID, dtype=torch.long)
+        anc = torch.zeros(bsz, anchors, dtype=torch.long)
+        for i, s in enumerate(rows):
+            plen, toks = int(s[0]), s[1:].long()
+            ids[i, :len(toks)] = toks
+            # anchors inside the greedy region; labels must be greedy tokens too
+            hi = len(toks) - 1 - K
+            anc[i] = torch.tensor(sorted(r.sample(range(plen, hi + 1), anchors)))
+        lab_idx = anc[:, :, None] + torch.arange(1, K + 1)
+        return ids, anc, ids.gather(1, lab_idx.flatten(1)).view(bsz, anchors, K)
+
+    def step_loss(ids, anc, labels):
+        with torch.no_grad():
+            feats = features(model, ids)
+        h = drafter(feats, anc, ids.gather(1, anc), embed)[:, :, 1:]  # [b, A, K, H]
+        logits = lm_head(h)
+        ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none")
+        ce = ce.view(labels.shape)
+        acc = (logits.argmax(-1) == labels).float()
+        return (ce * weights).sum(-1).mean() / weights.sum(), acc
+
+    vr = random.Random(5)
+    vbatch = make_batch(val, vr)
+    log(f"drafter: {sum(p.numel() for p in drafter.parameters())/1e6:.2f}M params, "
+        f"{steps} steps x {bsz} seqs x {anchors} anchors, K={K}")
+    bar = tqdm(range(steps), desc="drafter", mininterval=10)
+    for step in bar:
+        loss, _ = step_loss(*make_batch(train, rng))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        curves["drafter_train"].append([step, loss.item()])
+        if step % 100 == 0 or step == steps - 1:
+            with torch.no_grad():
+                vl, acc = step_loss(*vbatch)
+            # expected chain acceptance on the validation batch: sum_k prod_{i<=k} acc_i
+            tau = 1 + acc.cumprod(-1).sum(-1).mean().item()
+            curves["drafter_val"].append([step, vl.item()])
+            curves["drafter_val_acc"].append([step, acc.mean(dim=(0, 1)).tolist(), tau])
+            bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{vl.item():.3f}", tau=f"{tau:.2f}")
+    torch.save(drafter.state_dict(), path)
+    return drafter
+
+
+# --------------------------------------------------------------------------- export
+def export(model, tok, drafter: DFlashDrafter, out: Path) -> None:
+    from safetensors.torch import save_file
+    tdir, ddir = out / "tiny-qwen3", out / "tiny-qwen3-dflash"
+    tdir.mkdir(parents=True, exist_ok=True)
+    ddir.mkdir(parents=True, exist_ok=True)
+    model.generation_config.do_sample = False
+    model.save_pretrained(tdir, safe_serialization=True)
+    tok.save_pretrained(tdir)
+    cfg = model.config
+    dcfg = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "block_size": DRAFTER["block_size"],
+        "dflash_config": {"mask_token_id": MASK_ID, "target_layer_ids": TARGET_LAYER_IDS},
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": DRAFTER["inter"],
+        "num_hidden_layers": DRAFTER["layers"],
+        "num_attention_heads": DRAFTER["heads"],
+        "num_key_value_heads": DRAFTER["kv_heads"],
+        "head_dim": DRAFTER["head_dim"],
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": cfg.rope_parameters["rope_theta"],
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "num_target_layers": cfg.num_hidden_layers,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": EOS_ID,
+        "eos_token_id": EOS_ID,
+    }
+    (ddir / "config.json").write_text(json.dumps(dcfg, indent=2) + "\n")
+    save_file(drafter.export_state_dict(), str(ddir / "model.safetensors"))
+    torch.save({"mask_token_id": MASK_ID, "embedding": drafter.mask_embedding.detach().clone()},
+               ddir / "mask_embedding.pt")
+    log(f"exported {tdir} and {ddir}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="models")
+    ap.add_argument("--work", default="runs/tiny_pair")
+    ap.add_argument("--stages", default="all", help="comma list of tokenizer,target,distill,drafter,export")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--target-steps", type=int, default=1400)
+    ap.add_argument("--target-seq", type=int, default=384)
+    ap.add_argument("--target-batch", type=int, default=12)
+    ap.add_argument("--target-lr", type=float, default=3e-3)
+    ap.add_argument("--distill-seqs", type=int, default=8192)
+    ap.add_argument("--distill-new", type=int, default=96)
+    ap.add_argument("--drafter-steps", type=int, default=1500)
+    ap.add_argument("--drafter-batch", type=int, default=16)
+    ap.add_argument("--drafter-anchors", type=int, default=4)
+    ap.add_argument("--drafter-lr", type=float, default=2e-3)
+    ap.add_argument("--drafter-decay", type=float, default=5.0,
+                    help="per-position loss weight exp(-(k-1)/decay)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    work, out = Path(args.work), Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    stages = {"tokenizer", "target", "distill", "drafter", "export"} if args.stages == "all" \
+        else set(args.stages.split(","))
+    log_path = out / "training_log.json"
+    curves = json.loads(log_path.read_text()) if log_path.exists() else {}
+    curves["args"] = vars(args)
+    t0 = time.time()
+    tok = train_tokenizer(work, TARGET["vocab_size"])
+    if stages <= {"tokenizer"}:
+        return
+    model = train_target(tok, work, args.target_steps, args.target_seq, args.target_batch,
+                         args.target_lr, curves)
+    if "target_val" in curves and curves["target_val"]:
+        curves["target_final_val_loss"] = curves["target_val"][-1][1]
+    if stages & {"distill", "drafter", "export"}:
+        seqs = distill(model, tok, work, args.distill_seqs, args.distill_new, 64)
+    if stages & {"drafter", "export"}:
+        drafter = train_drafter(model, seqs, work, args.drafter_steps, args.drafter_batch,
+                                args.drafter_anchors, args.drafter_lr, args.drafter_decay, curves)
+    if "export" in stages:
+        export(model, tok, drafter, out)
+    curves["wall_seconds"] = curves.get("wall_seconds", 0) + time.time() - t0
+    out.mkdir(parents=True, exist_ok=True)
+    log_path.write_text(json.dumps(curves) + "\n")
+
+
+if __name__ == "__main__":
+    main()

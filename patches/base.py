@@ -1,0 +1,73 @@
+"""The one mechanism every vLLM monkey-patch of this project goes through.
+
+A :class:`Patch` names the vLLM attribute it replaces (``module:qualname``),
+says why it is needed and what the upstream status is, and lists the vLLM
+versions it was written against. :meth:`Patch.apply` refuses to touch vLLM
+when the version is not one of those or when the target does not exist, so a
+vLLM upgrade fails loudly at start-up instead of misbehaving later.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+
+class PatchError(RuntimeError):
+    pass
+
+
+@dataclass
+class Patch:
+    name: str
+    target: str  # "package.module:Class.attr" or "package.module:function"
+    why: str
+    upstream: str
+    vllm_versions: str  # PEP 440 specifier, e.g. "==0.32.*"
+    # build(original) -> replacement. The replacement is installed verbatim.
+    build: Callable[[Any], Any]
+    _original: Any = field(default=None, init=False, repr=False)
+    applied: bool = field(default=False, init=False)
+
+    def _resolve(self) -> tuple[Any, str]:
+        mod_name, _, qual = self.target.partition(":")
+        try:
+            owner: Any = importlib.import_module(mod_name)
+        except ImportError as e:
+            raise PatchError(f"patch {self.name}: cannot import {mod_name} ({e})") from e
+        *path, attr = qual.split(".")
+        for p in path:
+            if not hasattr(owner, p):
+                raise PatchError(f"patch {self.name}: {mod_name} has no {'.'.join(path)}")
+            owner = getattr(owner, p)
+        if not hasattr(owner, attr):
+            raise PatchError(f"patch {self.name}: target {self.target} does not exist "
+                             "in this vLLM; the patch must be ported")
+        return owner, attr
+
+    def check_version(self, version: str | Version) -> None:
+        if not SpecifierSet(self.vllm_versions).contains(Version(str(version)), prereleases=True):
+            raise PatchError(
+                f"patch {self.name} targets {self.target} as of vLLM {self.vllm_versions}; "
+                f"refusing to apply it to vLLM {version}")
+
+    def apply(self, vllm_version: str | Version) -> None:
+        if self.applied:
+            return
+        self.check_version(vllm_version)
+        owner, attr = self._resolve()
+        self._original = owner.__dict__.get(attr, getattr(owner, attr))
+        replacement = self.build(getattr(owner, attr))
+        setattr(owner, attr, replacement)
+        self.applied = True
+
+    def revert(self) -> None:
+        if not self.applied:
+            return
+        owner, attr = self._resolve()
+        setattr(owner, attr, self._original)
+        self.applied = False

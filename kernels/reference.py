@@ -1,0 +1,296 @@
+"""Torch reference for tree attention over a paged KV cache.
+
+This module is the test oracle for the Triton kernel in
+``tree_attention.py`` and the CPU runtime path for tree rows. It has no
+vLLM dependency.
+
+Semantics (shared with the Triton kernel)
+-----------------------------------------
+The batch is ragged: request ``r`` owns query rows
+``query_start_loc[r] : query_start_loc[r + 1]`` (``q_len`` rows) and has
+``seq_len = seq_lens[r]`` tokens in the cache, the last ``q_len`` of which are
+this step's queries. Let ``ctx_len = seq_len - q_len``. All K/V, including this
+step's, are read from the paged cache through ``block_table``.
+
+* Non-tree request: causal. Query ``i`` sits at position ``ctx_len + i`` and
+  sees positions ``0 .. ctx_len + i``.
+* Tree request (``is_tree[r]``): the query is the tree span, flat node 0 is the
+  root. Query ``i`` sees every context position ``< ctx_len`` plus exactly the
+  tree nodes ``j`` (position ``ctx_len + j``) whose bit is set in row
+  ``query_start_loc[r] + i`` of ``tree_mask``.
+
+``tree_mask`` is ``int32 [num_tokens, W]``, little-endian packed: bit ``j % 32``
+of word ``j // 32`` means "sees tree node j". Rows of non-tree requests are
+ignored. A query row that sees no key at all produces zeros.
+
+KV cache views
+--------------
+Both implementations take ``key_cache``/``value_cache`` as logical
+``[num_blocks, block_size, num_kv_heads, head_size]`` tensors with arbitrary
+strides, so one code path reads several physical layouts.
+:func:`split_kv_cache_nhd` and :func:`split_kv_cache_cpu_vec` build such
+views from vLLM's per-layer cache tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "TreeAttentionInfo",
+    "split_kv_cache_nhd",
+    "split_kv_cache_cpu_vec",
+    "tree_attention_reference",
+    "unpack_tree_mask",
+]
+
+
+@dataclass
+class TreeAttentionInfo:
+    """Tree description attached to attention metadata as ``metadata.ddtree``.
+
+    ``mask``: int32 ``[num_tokens, W]`` packed ancestor mask (one row per query
+    token of the batch, little-endian bits; rows of non-tree requests are
+    ignored). ``is_tree``: bool ``[num_reqs]``, on the same device as the
+    mask. ``tree_reqs``: host-side tuple of the indices of tree requests, or
+    ``None`` when unknown (then it is derived from ``is_tree`` where needed,
+    which costs a device sync off CPU).
+
+    Build it with :meth:`create`, which validates shapes and dtypes.
+    """
+
+    mask: torch.Tensor
+    is_tree: torch.Tensor
+    tree_reqs: tuple[int, ...] | None = field(default=None)
+
+    @classmethod
+    def create(
+        cls,
+        mask: torch.Tensor,
+        is_tree: torch.Tensor,
+        is_tree_cpu: torch.Tensor | Sequence[bool] | None = None,
+    ) -> TreeAttentionInfo:
+        """Validate and build.
+
+        ``is_tree_cpu`` is an optional host copy of ``is_tree`` used to fill
+        ``tree_reqs`` without a device sync. When it is omitted and
+        ``is_tree`` lives on the CPU, ``tree_reqs`` is derived from it.
+        """
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.int32:
+            raise TypeError(
+                f"TreeAttentionInfo.mask must be an int32 tensor, got "
+                f"{getattr(mask, 'dtype', type(mask))}"
+            )
+        if mask.dim() != 2 or mask.shape[1] < 1:
+            raise ValueError(
+                f"TreeAttentionInfo.mask must be 2-D [num_tokens, W>=1], got "
+                f"shape {tuple(mask.shape)}"
+            )
+        if not isinstance(is_tree, torch.Tensor) or is_tree.dtype != torch.bool:
+            raise TypeError(
+                f"TreeAttentionInfo.is_tree must be a bool tensor, got "
+                f"{getattr(is_tree, 'dtype', type(is_tree))}"
+            )
+        if is_tree.dim() != 1:
+            raise ValueError(
+                f"TreeAttentionInfo.is_tree must be 1-D [num_reqs], got shape "
+                f"{tuple(is_tree.shape)}"
+            )
+        if is_tree.device != mask.device:
+            raise ValueError(
+                f"TreeAttentionInfo.is_tree is on {is_tree.device} but mask is "
+                f"on {mask.device}"
+            )
+        host = is_tree_cpu
+        if host is None and is_tree.device.type == "cpu":
+            host = is_tree
+        tree_reqs = None
+        if host is not None:
+            flags = host.tolist() if isinstance(host, torch.Tensor) else list(host)
+            if len(flags) != is_tree.shape[0]:
+                raise ValueError(
+                    f"TreeAttentionInfo is_tree_cpu has {len(flags)} entries, "
+                    f"is_tree has {is_tree.shape[0]}"
+                )
+            tree_reqs = tuple(i for i, f in enumerate(flags) if f)
+        return cls(mask=mask, is_tree=is_tree, tree_reqs=tree_reqs)
+
+    @property
+    def num_reqs(self) -> int:
+        return self.is_tree.shape[0]
+
+    def get_tree_reqs(self) -> tuple[int, ...]:
+        """Indices of tree requests (host side; syncs if not precomputed)."""
+        if self.tree_reqs is None:
+            flags = self.is_tree.tolist()
+            self.tree_reqs = tuple(i for i, f in enumerate(flags) if f)
+        return self.tree_reqs
+
+
+def split_kv_cache_nhd(
+    kv_cache: torch.Tensor, head_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V views of a ``[num_blocks, num_kv_heads, block_size, 2*head]``
+    cache whose block interiors are token-addressable (the CUDA Triton/Flash
+    layout, any physical permutation). Returns two
+    ``[num_blocks, block_size, num_kv_heads, head_size]`` strided views."""
+    if kv_cache.dim() != 4:
+        raise ValueError(
+            f"kv_cache must be 4-D [num_blocks, num_kv_heads, block_size, "
+            f"2*head_size], got shape {tuple(kv_cache.shape)}"
+        )
+    hs = head_size if head_size is not None else kv_cache.shape[-1] // 2
+    if kv_cache.shape[-1] != 2 * hs:
+        raise ValueError(
+            f"kv_cache last dim {kv_cache.shape[-1]} != 2 * head_size ({hs})"
+        )
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(hs, dim=-1)
+    return key_cache, value_cache
+
+
+def split_kv_cache_cpu_vec(
+    kv_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V views of vLLM's CPU_ATTN cache in the "vec"/"vec16" layout.
+
+    The per-layer cache is ``[num_blocks, num_kv_heads, block_size,
+    2*head_size]``; within each (block, head) the first ``block_size *
+    head_size`` elements hold K stored ``[head_size, block_size]`` (token index
+    fastest) and the next ``block_size * head_size`` hold V stored
+    ``[block_size, head_size]``. The AMX layout is tile-packed and cannot be
+    expressed with strides. Returns two ``[num_blocks, block_size,
+    num_kv_heads, head_size]`` strided views.
+    """
+    if kv_cache.dim() != 4:
+        raise ValueError(
+            f"kv_cache must be 4-D [num_blocks, num_kv_heads, block_size, "
+            f"2*head_size], got shape {tuple(kv_cache.shape)}"
+        )
+    nb, nh, bs, two_hs = kv_cache.shape
+    hs = two_hs // 2
+    try:
+        per_head = kv_cache.view(nb, nh, bs * two_hs)
+    except RuntimeError as e:
+        raise ValueError(
+            "kv_cache must have contiguous [block_size, 2*head_size] block "
+            f"interiors for the CPU vec layout (strides {kv_cache.stride()})"
+        ) from e
+    key_cache = per_head[..., : bs * hs].unflatten(-1, (hs, bs)).permute(0, 3, 1, 2)
+    value_cache = per_head[..., bs * hs :].unflatten(-1, (bs, hs)).permute(0, 2, 1, 3)
+    return key_cache, value_cache
+
+
+def unpack_tree_mask(mask_rows: torch.Tensor, n: int) -> torch.Tensor:
+    """Unpack little-endian int32 words ``[rows, W]`` into bool ``[rows, n]``."""
+    j = torch.arange(n, device=mask_rows.device)
+    words = mask_rows[:, j // 32].to(torch.int64)
+    return ((words >> (j % 32)) & 1).bool()
+
+
+def _gather_request_kv(
+    cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int
+) -> torch.Tensor:
+    """Gather positions ``0..seq_len-1`` of one request: ``[seq_len, H, D]``."""
+    bs = cache.shape[1]
+    pos = torch.arange(seq_len, device=cache.device)
+    blocks = block_table_row[pos // bs].long()
+    return cache[blocks, pos % bs]
+
+
+def tree_attention_reference(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    tree_mask: torch.Tensor | None = None,
+    is_tree: torch.Tensor | None = None,
+    output: torch.Tensor | None = None,
+    tree_only: bool = False,
+    tree_reqs: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Attention for a ragged batch with optional tree requests.
+
+    Args:
+        query: ``[num_tokens, num_q_heads, head_size]``.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads,
+            head_size]`` views (any strides), already holding this step's K/V.
+        block_table: ``[num_reqs, max_blocks]`` integer block ids.
+        query_start_loc: ``[num_reqs + 1]`` integer offsets into ``query``.
+        seq_lens: ``[num_reqs]`` context + query length per request.
+        scale: softmax scale.
+        tree_mask: int32 ``[num_tokens, W]`` packed ancestor mask, or None.
+        is_tree: bool ``[num_reqs]``, or None (no tree requests).
+        output: optional ``[num_tokens, num_q_heads, head_size]`` to write
+            into; rows of requests that are not computed are left untouched.
+        tree_only: compute only tree requests.
+        tree_reqs: optional host-side indices of the tree requests (saves a
+            ``tolist`` of ``is_tree``).
+
+    Returns:
+        ``output`` (allocated with ``query``'s dtype when not given).
+
+    Every request is computed with one SDPA call in fp32 over its gathered
+    K/V and an explicit bool mask, then cast to the output dtype.
+    """
+    if output is None:
+        output = torch.zeros_like(query)
+    num_reqs = seq_lens.shape[0]
+    num_q_heads = query.shape[1]
+    num_kv_heads = key_cache.shape[2]
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads "
+            f"({num_kv_heads})"
+        )
+    group = num_q_heads // num_kv_heads
+
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    if tree_reqs is None:
+        if is_tree is None or tree_mask is None:
+            tree_set: set[int] = set()
+        else:
+            tree_set = {i for i, f in enumerate(is_tree.tolist()) if f}
+    else:
+        tree_set = set(tree_reqs)
+    reqs = sorted(tree_set) if tree_only else range(num_reqs)
+
+    for r in reqs:
+        q_start, q_end = qsl[r], qsl[r + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        seq_len = lens[r]
+        ctx_len = seq_len - q_len
+        if ctx_len < 0:
+            raise ValueError(
+                f"request {r}: seq_len {seq_len} is smaller than its query "
+                f"length {q_len}"
+            )
+        k = _gather_request_kv(key_cache, block_table[r], seq_len)
+        v = _gather_request_kv(value_cache, block_table[r], seq_len)
+
+        pos = torch.arange(seq_len, device=query.device)
+        if r in tree_set:
+            assert tree_mask is not None
+            visible = pos[None, :] < ctx_len
+            visible = visible.expand(q_len, seq_len).clone()
+            visible[:, ctx_len:] = unpack_tree_mask(tree_mask[q_start:q_end], q_len)
+        else:
+            q_pos = ctx_len + torch.arange(q_len, device=query.device)
+            visible = pos[None, :] <= q_pos[:, None]
+
+        q = query[q_start:q_end].transpose(0, 1).float()  # [Hq, q_len, D]
+        k = k.transpose(0, 1).float().repeat_interleave(group, dim=0)
+        v = v.transpose(0, 1).float().repeat_interleave(group, dim=0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+        out = torch.where(visible.any(dim=1)[None, :, None], out, 0.0)
+        output[q_start:q_end] = out.transpose(0, 1).to(output.dtype)
+    return output

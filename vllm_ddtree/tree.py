@@ -382,7 +382,7 @@ def process_logits(
         x = x.masked_fill(probs < thresh, float("-inf"))
     if top_k is None and top_p is None:
         return x
-    xs, idx = x.sort(-1, descending=False, stable=True)
+    xs, idx = torch.sort(x, dim=-1, descending=False, stable=True)
     if top_k is not None:
         k = top_k.to(x.device).long()
         k = torch.where((k <= 0) | (k >= vocab), vocab, k)

@@ -1,0 +1,145 @@
+"""Wiring of the CUDA ``DDTREE`` backend, checked without a GPU.
+
+The impl's tree path runs the real Triton kernel (in the interpreter on CPU
+tensors, in the CUDA layout); the stock Triton forward and cache write, which
+cannot run here, are replaced by fakes.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from types import SimpleNamespace  # noqa: E402
+
+import pytest  # noqa: E402
+from test_tree_attention_utils import Req, build_batch, make_parents  # noqa: E402
+from vllm.v1.attention.backends import triton_attn  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+
+from vllm_ddtree import attention as dda  # noqa: E402
+from vllm_ddtree.kernels import tree_attention as ta  # noqa: E402
+from vllm_ddtree.kernels.reference import (  # noqa: E402
+    TreeAttentionInfo,
+    split_kv_cache_nhd,
+    tree_attention_reference,
+)
+
+if not torch.cuda.is_available() and not ta.INTERPRETED:
+    pytest.skip("kernel imported without TRITON_INTERPRET=1", allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _tree(n, seed):
+    return make_parents(n, torch.Generator().manual_seed(seed))
+
+
+def test_backend_class_wiring():
+    backend = dda.DDTreeTritonAttentionBackend
+    assert issubclass(backend, triton_attn.TritonAttentionBackend)
+    assert backend.get_name() == "DDTREE"
+    assert backend.get_impl_cls() is dda.DDTreeTritonAttentionImpl
+    assert backend.get_builder_cls() is triton_attn.TritonAttentionMetadataBuilder
+    assert issubclass(dda.DDTreeTritonAttentionImpl, triton_attn.TritonAttentionImpl)
+    assert "fp8" not in backend.supported_kv_cache_dtypes
+    assert backend.supports_head_size(128)
+
+
+def test_register_backends_on_cuda(monkeypatch):
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    assert dda.register_backends() == ["DDTREE"]
+    assert dda.register_backends() == ["DDTREE"]  # idempotent
+    member = AttentionBackendEnum["DDTREE"]
+    assert member.get_path() == dda.CUDA_BACKEND_PATH
+    assert member.get_class() is dda.DDTreeTritonAttentionBackend
+    assert AttentionBackendEnum[member.get_class().get_name()] is member
+
+
+def _impl(hq, hkv, hd):
+    return dda.DDTreeTritonAttentionImpl(hq, hd, hd**-0.5, hkv, None, None, "auto")
+
+
+def _metadata(batch, tree: bool):
+    md = SimpleNamespace(
+        num_actual_tokens=int(batch.query_start_loc[-1]),
+        max_query_len=batch.max_query_len,
+        query_start_loc=batch.query_start_loc,
+        seq_lens=batch.seq_lens,
+        block_table=batch.block_table,
+        causal=True,
+        mm_prefix_range_tensor=None,
+    )
+    md.ddtree = TreeAttentionInfo.create(batch.tree_mask, batch.is_tree) if tree else None
+    return md
+
+
+def test_forward_dispatch(monkeypatch):
+    calls = []
+
+    def fake_stock_forward(self, layer, query, key, value, kv_cache, md, output, *a):
+        calls.append(md)
+        return output.fill_(1.0)
+
+    monkeypatch.setattr(triton_attn.TritonAttentionImpl, "forward", fake_stock_forward)
+    reqs = [Req(20, 6, _tree(6, 0)), Req(17, 1), Req(0, 9, _tree(9, 1)), Req(3, 4)]
+    batch = build_batch(reqs, 8, 2, 32, 16, torch.float32, "nhd", DEVICE, pad_tokens=2)
+    impl = _impl(8, 2, 32)
+    layer = SimpleNamespace()
+    key = value = torch.empty(0)
+
+    out = torch.zeros_like(batch.query)
+    md = _metadata(batch, tree=False)
+    impl.forward(layer, batch.query, key, value, batch.kv_cache, md, out)
+    assert calls == [md] and torch.all(out == 1.0)
+
+    calls.clear()
+    out = torch.full_like(batch.query, 5.0)
+    impl.forward(layer, batch.query, key, value, batch.kv_cache, _metadata(batch, True), out)
+    assert calls == []
+    ref = tree_attention_reference(*batch.args())
+    n = int(batch.query_start_loc[-1])
+    torch.testing.assert_close(out[:n], ref[:n], atol=2e-5, rtol=2e-5)
+    assert torch.all(out[n:] == 5.0)
+
+    impl.logits_soft_cap = 30.0
+    with pytest.raises(NotImplementedError, match="soft-capping"):
+        impl.forward(layer, batch.query, key, value, batch.kv_cache,
+                     _metadata(batch, True), out)  # fmt: skip
+
+
+def test_kv_capture_goes_through_the_stock_cache_write(monkeypatch):
+    writes = []
+
+    def fake_write(self, layer, key, value, kv_cache, slot_mapping):
+        k_view, v_view = split_kv_cache_nhd(kv_cache, self.head_size)
+        bs = k_view.shape[1]
+        k_view[slot_mapping // bs, slot_mapping % bs] = key
+        v_view[slot_mapping // bs, slot_mapping % bs] = value
+        writes.append(slot_mapping)
+
+    monkeypatch.setattr(triton_attn.TritonAttentionImpl, "do_kv_cache_update", fake_write)
+    impl = _impl(4, 2, 32)
+    layer = SimpleNamespace(layer_name="layers.0.attn")
+    kv_cache = torch.zeros(4, 16, 2, 64).permute(0, 2, 1, 3)  # NHD physical
+    key, value = torch.randn(6, 2, 32), torch.randn(6, 2, 32)
+    slots = torch.arange(16, 22)
+
+    dda.kv_capture.start()
+    try:
+        impl.do_kv_cache_update(layer, key, value, kv_cache, slots)
+    finally:
+        dda.kv_capture.stop()
+    assert len(writes) == 1 and len(dda.kv_capture.records()) == 1
+    src_rows = torch.tensor([3, 5])
+    dst = torch.tensor([17, 18])
+    assert dda.kv_capture.rewrite(src_rows, dst) == 1
+    k_view, v_view = split_kv_cache_nhd(kv_cache)
+    assert torch.equal(k_view[1, 1:3], key[src_rows])
+    assert torch.equal(v_view[1, 1:3], value[src_rows])
+    dda.kv_capture.clear()

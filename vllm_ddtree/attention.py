@@ -1,0 +1,487 @@
+"""vLLM attention backends for DDTree tree verification.
+
+Contract with the model runner
+------------------------------
+For a verification step the runner attaches a
+:class:`~vllm_ddtree.kernels.reference.TreeAttentionInfo` to the target
+model's per-layer attention metadata object::
+
+    attn_metadata.ddtree = TreeAttentionInfo.create(mask, is_tree)
+
+``mask`` is int32 ``[num_tokens, W]`` (one row per query token, little-endian
+packed ancestor bits over the request's own query span) and ``is_tree`` is bool
+``[num_reqs]``. A missing or ``None`` ``ddtree`` attribute means "no tree in
+this step", and then every backend here behaves exactly like stock vLLM.
+
+Backends
+--------
+* CPU: vLLM always picks ``CPU_ATTN`` there, so :func:`register_backends`
+  overrides that enum member with :class:`DDTreeCPUAttentionBackend`. Without
+  tree info its forward is the stock one. With tree info, if some requests are
+  not trees the stock C++ op runs on the whole batch first (so non-tree rows
+  are bit-identical to stock), then the tree requests' rows are recomputed and
+  overwritten: by the torch reference, or by the Triton kernel in Triton's
+  interpreter when ``VLLM_DDTREE_CPU_ATTN=triton`` (which needs
+  ``TRITON_INTERPRET=1`` in the environment before the kernel is imported).
+  The tree path reads the paged cache through strided views of the "vec"
+  layout; when ``speculative_config.ddtree`` is set the metadata builder turns
+  the AMX layout (bf16 on AMX CPUs) into "vec".
+* CUDA: :func:`register_backends` adds a ``DDTREE`` backend, a subclass of
+  ``TRITON_ATTN`` whose forward runs the Triton tree kernel on the whole batch
+  when tree info is present and the stock kernel otherwise.
+
+Both impls record the K/V handed to ``do_kv_cache_update`` while
+:data:`kv_capture` is started, so the runner can later rewrite accepted nodes'
+K/V into contiguous slots with the same cache-write code (any cache layout).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from vllm.logger import init_logger
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
+)
+from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+from vllm_ddtree.kernels.reference import (
+    TreeAttentionInfo,
+    split_kv_cache_cpu_vec,
+    split_kv_cache_nhd,
+    tree_attention_reference,
+)
+
+try:  # importable on CPU hosts too; only run on CUDA
+    from vllm.v1.attention.backends.triton_attn import (
+        TritonAttentionBackend,
+        TritonAttentionImpl,
+    )
+except ImportError:  # pragma: no cover - depends on the vLLM build
+    TritonAttentionBackend = None  # type: ignore[assignment,misc]
+    TritonAttentionImpl = None  # type: ignore[assignment,misc]
+
+logger = init_logger(__name__)
+
+__all__ = [
+    "ENV_CPU_ATTN",
+    "CPU_BACKEND_PATH",
+    "CUDA_BACKEND_NAME",
+    "CUDA_BACKEND_PATH",
+    "TreeAttentionInfo",
+    "KVCapture",
+    "KVRecord",
+    "kv_capture",
+    "get_tree_info",
+    "register_backends",
+    "tree_cpu_isa",
+    "DDTreeCPUAttentionBackend",
+    "DDTreeCPUAttentionImpl",
+    "DDTreeCPUAttentionMetadataBuilder",
+]
+
+ENV_CPU_ATTN = "VLLM_DDTREE_CPU_ATTN"
+CPU_BACKEND_PATH = "vllm_ddtree.attention.DDTreeCPUAttentionBackend"
+CUDA_BACKEND_NAME = "DDTREE"
+CUDA_BACKEND_PATH = "vllm_ddtree.attention.DDTreeTritonAttentionBackend"
+CPU_TREE_ISAS = ("vec", "vec16")
+
+
+def get_tree_info(attn_metadata: Any) -> TreeAttentionInfo | None:
+    """The step's tree description, or None (no metadata, no tree)."""
+    if attn_metadata is None:
+        return None
+    return getattr(attn_metadata, "ddtree", None)
+
+
+def _ddtree_enabled(vllm_config: Any) -> bool:
+    spec = getattr(vllm_config, "speculative_config", None)
+    return getattr(spec, "ddtree", None) is not None
+
+
+# ---------------------------------------------------------------------------
+# KV capture for compaction
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class KVRecord:
+    """One layer's cache write: the arguments of ``do_kv_cache_update``."""
+
+    impl: Any
+    layer: Any
+    key: torch.Tensor
+    value: torch.Tensor
+    kv_cache: torch.Tensor
+
+    @property
+    def layer_name(self) -> str | None:
+        return getattr(self.layer, "layer_name", None)
+
+
+class KVCapture:
+    """Records the fresh K/V each attention layer writes to its cache.
+
+    ``start()`` drops earlier records and begins recording; every
+    ``do_kv_cache_update`` of a ddtree impl then stores references (no copy)
+    to its ``key``/``value``/``kv_cache`` arguments, one record per layer (the
+    latest wins). ``rewrite(src_rows, dst_slots)`` writes ``key[src_rows]`` and
+    ``value[src_rows]`` of every record to ``dst_slots`` through the layer's
+    own ``do_kv_cache_update``, so it works for every cache layout. Rewrite
+    before the next forward pass reuses those activation buffers.
+    """
+
+    def __init__(self) -> None:
+        self._active = False
+        self._rewriting = False
+        self._records: dict[int, KVRecord] = {}
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def start(self) -> None:
+        self._records.clear()
+        self._active = True
+
+    def stop(self) -> None:
+        self._active = False
+
+    def clear(self) -> None:
+        self._records.clear()
+
+    def record(
+        self,
+        impl: Any,
+        layer: Any,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+    ) -> None:
+        if self._active and not self._rewriting:
+            self._records[id(layer)] = KVRecord(impl, layer, key, value, kv_cache)
+
+    def records(self) -> list[KVRecord]:
+        return list(self._records.values())
+
+    def rewrite(
+        self,
+        src_rows: torch.Tensor,
+        dst_slots: torch.Tensor | Mapping[str, torch.Tensor],
+    ) -> int:
+        """Copy recorded rows ``src_rows`` to cache slots ``dst_slots``.
+
+        ``dst_slots`` is a slot-mapping tensor (same dtype and meaning as the
+        runner's ``slot_mapping``) or a mapping from layer name to one, for
+        models whose layers use different KV cache groups. Returns the number
+        of layers rewritten.
+        """
+        if src_rows.numel() == 0:
+            return 0
+        self._rewriting = True
+        try:
+            count = 0
+            for rec in self._records.values():
+                if isinstance(dst_slots, Mapping):
+                    slots = dst_slots[rec.layer_name]  # type: ignore[index]
+                else:
+                    slots = dst_slots
+                rec.impl.do_kv_cache_update(
+                    rec.layer, rec.key[src_rows], rec.value[src_rows], rec.kv_cache, slots
+                )
+                count += 1
+            return count
+        finally:
+            self._rewriting = False
+
+
+kv_capture = KVCapture()
+
+
+# ---------------------------------------------------------------------------
+# Shared tree dispatch
+# ---------------------------------------------------------------------------
+
+
+class _TreeAttentionMixin:
+    """Tree-step checks and KV capture shared by the CPU and CUDA impls."""
+
+    def _tree_unsupported(self, attn_metadata: Any, output_scale, output_block_scale):
+        """Reason the tree path cannot serve this layer, or None."""
+        if self.attn_type != AttentionType.DECODER:
+            return f"attention type {self.attn_type}"
+        window = self.sliding_window
+        if (isinstance(window, tuple) and window != (-1, -1)) or (
+            isinstance(window, int) and window != -1
+        ):
+            return "sliding window attention"
+        if self.alibi_slopes is not None:
+            return "ALiBi"
+        if getattr(self, "sinks", None) is not None:
+            return "attention sinks"
+        if self.logits_soft_cap:
+            return "logits soft-capping"
+        if self.kv_cache_dtype not in ("auto", "float16", "bfloat16"):
+            return f"kv_cache_dtype {self.kv_cache_dtype}"
+        if output_scale is not None or output_block_scale is not None:
+            return "fused output quantization"
+        if getattr(self, "chunk_lookback", -1) > -1:
+            return "chunked attention with lookback"
+        if getattr(attn_metadata, "mm_prefix_range_tensor", None) is not None:
+            return "multimodal prefix ranges"
+        causal = getattr(attn_metadata, "causal", True)
+        if not (isinstance(causal, bool) and causal):
+            return "non-causal attention"
+        return None
+
+    def _check_tree_step(self, attn_metadata, output_scale, output_block_scale):
+        reason = self._tree_unsupported(attn_metadata, output_scale, output_block_scale)
+        if reason is not None:
+            raise NotImplementedError(
+                f"ddtree tree attention does not support {reason} "
+                f"({type(self).__name__})"
+            )
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)  # type: ignore[misc]
+        if self.attn_type == AttentionType.DECODER:
+            kv_capture.record(self, layer, key, value, kv_cache)
+
+
+def _cpu_tree_mode() -> str:
+    mode = os.environ.get(ENV_CPU_ATTN, "torch").strip().lower() or "torch"
+    if mode not in ("torch", "triton"):
+        raise ValueError(f"{ENV_CPU_ATTN} must be 'torch' or 'triton', got {mode!r}")
+    return mode
+
+
+def _interpreter_kernel_module():
+    """The Triton kernel module, checked to be running in the interpreter."""
+    flag = os.environ.get("TRITON_INTERPRET", "").strip().lower()
+    if flag not in ("1", "true", "yes", "on"):
+        raise RuntimeError(
+            f"{ENV_CPU_ATTN}=triton runs the Triton tree-attention kernel in "
+            "Triton's interpreter, which needs TRITON_INTERPRET=1 in the "
+            "environment before anything imports triton. Set both variables "
+            f"when launching, or unset {ENV_CPU_ATTN} to use the torch path."
+        )
+    from vllm_ddtree.kernels import tree_attention as ta
+
+    if not ta.INTERPRETED:
+        raise RuntimeError(
+            f"{ENV_CPU_ATTN}=triton: TRITON_INTERPRET=1 was set after "
+            "vllm_ddtree.kernels.tree_attention had been imported, so its "
+            "kernel is not interpreted. Set TRITON_INTERPRET=1 before the "
+            "process starts."
+        )
+    return ta
+
+
+# ---------------------------------------------------------------------------
+# CPU
+# ---------------------------------------------------------------------------
+
+
+def tree_cpu_isa(isa: str, ddtree_enabled: bool) -> str:
+    """The CPU attention ISA to use; with ddtree on, one whose KV layout the
+    tree path can read through strides ("vec"/"vec16"; AMX becomes "vec")."""
+    if not ddtree_enabled or isa in CPU_TREE_ISAS:
+        return isa
+    if isa == "amx":
+        return "vec"
+    raise NotImplementedError(
+        f"ddtree on CPU reads the KV cache in the vec/vec16 layout; the "
+        f"attention ISA {isa!r} of this CPU is not supported"
+    )
+
+
+class DDTreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+    """Stock builder; with ddtree on, forces a stride-readable KV layout."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        isa = tree_cpu_isa(self.isa, _ddtree_enabled(vllm_config))
+        if isa != self.isa:
+            logger.info_once(
+                "ddtree: CPU attention uses the %r KV layout instead of %r so "
+                "tree rows can read the paged cache",
+                isa,
+                self.isa,
+            )
+            self.isa = isa
+            self._set_isa_to_layers(layer_names)
+
+
+class DDTreeCPUAttentionImpl(_TreeAttentionMixin, CPUAttentionBackendImpl):
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        info = get_tree_info(attn_metadata)
+        tree_reqs = info.get_tree_reqs() if info is not None else ()
+        if not tree_reqs:
+            return super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale, output_block_scale,
+            )  # fmt: skip
+        assert info is not None
+        self._check_tree_step(attn_metadata, output_scale, output_block_scale)
+        isa = getattr(layer, "isa", None)
+        if isa not in CPU_TREE_ISAS:
+            raise RuntimeError(
+                f"ddtree tree attention on CPU reads the KV cache in the "
+                f"vec/vec16 layout but layer {getattr(layer, 'layer_name', '?')} "
+                f"uses isa {isa!r}; the metadata builder forces 'vec' only when "
+                f"speculative_config.ddtree is set"
+            )
+        num_reqs = attn_metadata.seq_lens.shape[0]
+        if len(tree_reqs) < num_reqs:
+            super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale, output_block_scale,
+            )  # fmt: skip
+
+        n = attn_metadata.num_actual_tokens
+        key_cache, value_cache = split_kv_cache_cpu_vec(kv_cache)
+        mode = _cpu_tree_mode()
+        if mode == "triton":
+            ta = _interpreter_kernel_module()
+            ta.tree_attention(
+                query[:n], key_cache, value_cache, attn_metadata.block_table,
+                attn_metadata.query_start_loc, attn_metadata.seq_lens, self.scale,
+                info.mask, info.is_tree, output=output[:n], tree_only=True,
+                max_query_len=attn_metadata.max_query_len,
+            )  # fmt: skip
+        else:
+            tree_attention_reference(
+                query[:n], key_cache, value_cache, attn_metadata.block_table,
+                attn_metadata.query_start_loc, attn_metadata.seq_lens, self.scale,
+                info.mask, info.is_tree, output=output[:n], tree_only=True,
+                tree_reqs=tree_reqs,
+            )  # fmt: skip
+        return output
+
+
+class DDTreeCPUAttentionBackend(CPUAttentionBackend):
+    """``CPU_ATTN`` with tree rows; registered over the stock class."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"
+
+    @staticmethod
+    def get_impl_cls() -> type[DDTreeCPUAttentionImpl]:
+        return DDTreeCPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[DDTreeCPUAttentionMetadataBuilder]:
+        return DDTreeCPUAttentionMetadataBuilder
+
+
+# ---------------------------------------------------------------------------
+# CUDA
+# ---------------------------------------------------------------------------
+
+if TritonAttentionBackend is not None:
+
+    class DDTreeTritonAttentionImpl(_TreeAttentionMixin, TritonAttentionImpl):
+        _kernel_module: ClassVar[Any] = None
+
+        @classmethod
+        def _kernel(cls):
+            if cls._kernel_module is None:
+                from vllm_ddtree.kernels import tree_attention
+
+                cls._kernel_module = tree_attention
+            return cls._kernel_module
+
+        def forward(
+            self,
+            layer,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            kv_cache: torch.Tensor,
+            attn_metadata,
+            output: torch.Tensor,
+            output_scale: torch.Tensor | None = None,
+            output_block_scale: torch.Tensor | None = None,
+        ) -> torch.Tensor:
+            info = get_tree_info(attn_metadata)
+            if info is None:
+                return super().forward(
+                    layer, query, key, value, kv_cache, attn_metadata, output,
+                    output_scale, output_block_scale,
+                )  # fmt: skip
+            self._check_tree_step(attn_metadata, output_scale, output_block_scale)
+            key_cache, value_cache = split_kv_cache_nhd(kv_cache, self.head_size)
+            n = attn_metadata.num_actual_tokens
+            self._kernel().tree_attention(
+                query[:n], key_cache, value_cache, attn_metadata.block_table,
+                attn_metadata.query_start_loc, attn_metadata.seq_lens, self.scale,
+                info.mask, info.is_tree, output=output[:n],
+                max_query_len=attn_metadata.max_query_len,
+            )  # fmt: skip
+            return output
+
+    class DDTreeTritonAttentionBackend(TritonAttentionBackend):
+        """``TRITON_ATTN`` plus the tree kernel, registered as ``DDTREE``."""
+
+        supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16"]
+
+        @staticmethod
+        def get_name() -> str:
+            return CUDA_BACKEND_NAME
+
+        @staticmethod
+        def get_impl_cls() -> type[DDTreeTritonAttentionImpl]:
+            return DDTreeTritonAttentionImpl
+
+    __all__ += ["DDTreeTritonAttentionBackend", "DDTreeTritonAttentionImpl"]
+
+
+# ---------------------------------------------------------------------------
+# Registration
+# ---------------------------------------------------------------------------
+
+
+def register_backends() -> list[str]:
+    """Register the ddtree attention backends for the current platform.
+
+    CPU: override ``CPU_ATTN`` with :class:`DDTreeCPUAttentionBackend`.
+    CUDA: register ``DDTREE`` (:class:`DDTreeTritonAttentionBackend`).
+    Idempotent. Must run before vLLM first selects a backend (the selector
+    caches its answer). Returns the names of the backends registered.
+    """
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND_PATH)
+        return ["CPU_ATTN"]
+    if current_platform.is_cuda():
+        if TritonAttentionBackend is None:
+            raise RuntimeError("ddtree: vLLM's Triton attention backend is unavailable")
+        if CUDA_BACKEND_NAME in AttentionBackendEnum._member_map_:
+            register_backend(AttentionBackendEnum[CUDA_BACKEND_NAME], CUDA_BACKEND_PATH)
+        else:
+            register_backend(CUDA_BACKEND_NAME, CUDA_BACKEND_PATH)
+        return [CUDA_BACKEND_NAME]
+    logger.warning(
+        "ddtree: no tree attention backend for platform %s", current_platform.device_name
+    )
+    return []

@@ -15,6 +15,9 @@ if not torch.cuda.is_available():
 from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
+
+pytest.importorskip("vllm")
+
 from test_tree_attention_utils import Req, build_batch, make_parents  # noqa: E402
 from vllm.v1.attention.backends import triton_attn  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402

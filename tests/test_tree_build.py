@@ -10,6 +10,15 @@ import torch
 from vllm_ddtree.tree import build_tree
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small tensors: a single intra-op thread avoids spinning on a busy CPU."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 def node_prefixes(tree, r):
     """Token prefix of every valid node of request r, following parents."""
     tokens = tree.tokens[r].tolist()
@@ -201,3 +210,14 @@ def test_rows_are_independent_of_batch():
         for a, b in zip(full, one):
             assert torch.equal(a[r : r + 1], b)
     assert full.valid.sum(-1).tolist() == [20, 3, 0, 17, 20]
+
+
+def test_order_key_breaks_ties_by_position_and_treats_signed_zeros_alike():
+    from vllm_ddtree.tree import _descending_key
+
+    vals = [0.0, -0.0, -1e-45, -3.5, float("-inf"), -0.0, 0.0, -3.5, -1e-30, float("-inf"), -2.0]
+    x = torch.tensor([vals], dtype=torch.float32)
+    order = _descending_key(x).argsort(dim=1)[0].tolist()
+    expected = sorted(range(len(vals)), key=lambda i: (-vals[i], i))
+    assert order == expected
+    assert len(set(_descending_key(x)[0].tolist())) == len(vals)

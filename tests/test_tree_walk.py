@@ -7,6 +7,15 @@ import torch
 from vllm_ddtree.tree import ancestor_mask, build_tree, compaction_pairs, walk
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small tensors: a single intra-op thread avoids spinning on a busy CPU."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 def random_tree(rng, B, V, chainy=0.5):
     """Random topologically ordered tree with distinct sibling tokens."""
     parents = np.zeros(B, dtype=np.int64)

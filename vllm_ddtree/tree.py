@@ -104,34 +104,79 @@ def _staircase_size(n_prev: int, k: int, budget: int) -> int:
     return total
 
 
-def _level_plan(num_levels: int, k: int, budget: int) -> list[tuple[int, int, int]]:
-    """Static sizes per level d >= 2: (kept at d-1, kept at d, candidates at d).
-
-    Level d keeps ``min(B, n_{d-1} * k)`` prefixes. Its candidates are the pairs
-    (parent slot i, token rank j) with ``(i+1)(j+1) <= B``: parents and tokens
-    are both sorted, so a pair outside that staircase is dominated by at least
-    B others and can never be needed.
-    """
-    plan = []
-    n_prev = k
-    for _ in range(1, num_levels):
-        n = min(budget, n_prev * k)
-        c = _staircase_size(n_prev, k, budget)
-        assert c >= n, (c, n)
-        plan.append((n_prev, n, c))
-        n_prev = n
-    return plan
+class _Level(NamedTuple):
+    n: int  # prefixes kept at this depth
+    slot: Tensor  # [c] parent slot (0..n_prev-1) of each candidate pair
+    flat_rank: Tensor  # [c] index into the [K * k] top-k table: depth * k + token rank
+    base: int  # position of this level's candidates in the concatenated tables
 
 
-def _staircase(n_prev: int, k: int, budget: int, c: int, device) -> tuple[Tensor, Tensor]:
-    """Parent slots and token ranks of the ``c`` staircase pairs, row by row."""
+class _Plan(NamedTuple):
+    levels: list[_Level]  # depths 2..K
+    parent: Tensor  # [sum c] parent of every candidate, as 1 + union index
+    flat_rank: Tensor  # [sum c] the levels' flat_rank, concatenated
+    depth: Tensor  # [N] depth of every union entry
+
+
+def _staircase(n_prev: int, k: int, budget: int, device) -> tuple[Tensor, Tensor]:
+    """Pairs (i, j), i < n_prev, j < k, with (i+1)(j+1) <= budget, row by row."""
+    c = _staircase_size(n_prev, k, budget)
     i = torch.arange(n_prev, device=device)
-    per_row = torch.clamp(budget // (i + 1), max=k)
-    end = torch.cumsum(per_row, 0)
-    p = torch.arange(c, device=device)
-    row = torch.searchsorted(end, p, right=True)
-    col = p - (end - per_row)[row]
+    per_row = torch.clamp(budget // (i + 1), max=k)  # >= 1 since i < n_prev <= budget
+    start = torch.cumsum(per_row, 0) - per_row
+    # row of every pair: count the row starts at or before its position
+    bumps = torch.zeros(c, dtype=torch.long, device=device).index_fill_(0, start[1:], 1)
+    row = torch.cumsum(bumps, 0)
+    col = torch.arange(c, device=device) - start[row]
     return row, col
+
+
+def _build_plan(num_levels: int, k: int, budget: int, device) -> _Plan:
+    """Static candidate sets of depths 2..K (they depend only on K, k and B).
+
+    Depth d keeps ``min(B, n_{d-1} * k)`` prefixes. Its candidates are the
+    pairs (parent slot i, token rank j) with ``(i+1)(j+1) <= B``: parents and
+    tokens are both sorted by score, so a pair outside that staircase is
+    dominated by at least B others and is never needed.
+    """
+    levels, parents, ranks = [], [], []
+    sizes = [k]
+    n_prev, offset, base = k, 0, 0  # offset: union index of depth d-1's first slot
+    for d in range(1, num_levels):
+        n = min(budget, n_prev * k)
+        slot, rank = _staircase(n_prev, k, budget, device)
+        assert slot.shape[0] >= n
+        levels.append(_Level(n, slot, d * k + rank, base))
+        parents.append(offset + slot + 1)
+        ranks.append(d * k + rank)
+        sizes.append(n)
+        base += slot.shape[0]
+        offset += n_prev
+        n_prev = n
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    depth = torch.cat([torch.full((n,), d + 1, dtype=torch.long, device=device) for d, n in enumerate(sizes)])
+    return _Plan(levels, torch.cat([empty, *parents]), torch.cat([empty, *ranks]), depth)
+
+
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def _plan(num_levels: int, k: int, budget: int, device) -> _Plan:
+    """:func:`_build_plan`, cached in eager mode (traced inline under torch.compile)."""
+    if torch.compiler.is_compiling():
+        return _build_plan(num_levels, k, budget, device)
+    key = (num_levels, k, budget, str(device))
+    if key not in _PLANS:
+        _PLANS[key] = _build_plan(num_levels, k, budget, device)
+    return _PLANS[key]
+
+
+def _descending_key(scores: Tensor) -> Tensor:
+    """int64 keys, unique per row, ascending in (score desc, column asc)."""
+    bits = torch.where(scores == 0, 0.0, scores).view(torch.int32)  # -0.0 ties +0.0
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int32 order == float order
+    column = torch.arange(scores.shape[-1], device=scores.device)
+    return (~ordered).long() * 2**32 + column
 
 
 def build_tree(logits: Tensor, budget: int, budgets: Tensor | None = None) -> DraftTree:
@@ -140,9 +185,9 @@ def build_tree(logits: Tensor, budget: int, budgets: Tensor | None = None) -> Dr
     ``logits`` is ``[b, K, V]`` (any float dtype; log-softmax in fp32). Level
     by level it keeps the top ``B`` prefixes of each depth (exact: the parent
     of a global top-B prefix is in the top B of its own depth), then takes the
-    top ``B`` of the union with a stable sort on ``log q`` descending over the
-    depth-major union, so ties keep shallower nodes first and every parent
-    precedes its children even when a child's log-prob is exactly 0.
+    first ``B`` of the depth-major union ordered by ``(log q desc, union
+    position asc)``: ties keep shallower nodes first, so every parent precedes
+    its children even when a child's log-prob is exactly 0.
 
     ``budgets`` (optional ``[b]`` int64, each ``<= budget``) marks nodes past a
     request's own budget invalid. Nodes are also invalid when fewer than
@@ -157,40 +202,36 @@ def build_tree(logits: Tensor, budget: int, budgets: Tensor | None = None) -> Dr
     lp = torch.log_softmax(logits.float(), dim=-1)
     k = min(budget, vocab)
     top_lp, top_tok = lp.topk(k, dim=-1)  # [b, K, k], sorted descending
+    plan = _plan(num_levels, k, budget, device)
+    lp_table = top_lp.flatten(1)  # [b, K * k]
 
     scores = top_lp[:, 0]
-    all_scores = [scores]
-    all_tokens = [top_tok[:, 0]]
-    all_parents = [torch.full((b, k), -1, dtype=torch.long, device=device)]
-    all_depth = [torch.full((k,), 1, dtype=torch.long, device=device)]
-    offset = 0  # union index of the previous level's first slot
-    for d, (n_prev, n, c) in enumerate(_level_plan(num_levels, k, budget), start=1):
-        slot, rank = _staircase(n_prev, k, budget, c, device)
-        cand = scores[:, slot] + top_lp[:, d, rank]  # [b, c]
-        scores, pick = cand.topk(n, dim=-1)  # sorted: next level relies on it
+    all_scores, picks = [scores], []
+    for d, level in enumerate(plan.levels, start=1):
+        cand = scores.index_select(1, level.slot) + lp_table.index_select(1, level.flat_rank)
+        # the next depth's staircase relies on sorted parents; the last needs no order
+        scores, pick = cand.topk(level.n, dim=-1, sorted=d < len(plan.levels))
         all_scores.append(scores)
-        all_tokens.append(top_tok[:, d].gather(1, rank[pick]))
-        all_parents.append(offset + slot[pick])
-        all_depth.append(torch.full((n,), d + 1, dtype=torch.long, device=device))
-        offset += n_prev
+        picks.append(pick + level.base)
 
-    u_scores = torch.cat(all_scores, 1)  # [b, N] depth-major union
-    u_tokens = torch.cat(all_tokens, 1)
-    u_parents = torch.cat(all_parents, 1)
-    u_depth = torch.cat(all_depth, 0)
+    # The union of all depths, depth-major; parents as 1 + union index (0 = root).
+    u_scores = torch.cat(all_scores, 1)
+    chosen = torch.cat([top_tok.new_zeros(b, 0), *picks], 1)  # candidates kept at depths >= 2
+    u_tokens = torch.cat([top_tok[:, 0], top_tok.flatten(1).gather(1, plan.flat_rank.take(chosen))], 1)
+    u_parents = torch.cat([top_tok.new_zeros(b, k), plan.parent.take(chosen)], 1)
     total = u_scores.shape[1]
     m = min(budget, total)
 
-    logq, order = torch.sort(u_scores, dim=1, descending=True, stable=True)
-    logq, order = logq[:, :m], order[:, :m]
+    order = _descending_key(u_scores).topk(m, dim=1, largest=False).indices
+    logq = u_scores.gather(1, order)
     # Flat index of every union entry (0 where not selected; unselected entries
     # are never parents of selected ones because the selection is prefix-closed).
     flat = torch.arange(1, m + 1, device=device).expand(b, m)
     pos = torch.zeros(b, total, dtype=torch.long, device=device).scatter(1, order, flat)
-    pos = torch.cat([pos.new_zeros(b, 1), pos], 1)  # union index -1 (root) -> 0
+    pos = torch.cat([pos.new_zeros(b, 1), pos], 1)  # indexed by 1 + union index
     tokens = u_tokens.gather(1, order)
-    parents = pos.gather(1, u_parents.gather(1, order) + 1)
-    depth = u_depth[order]
+    parents = pos.gather(1, u_parents.gather(1, order))
+    depth = plan.depth[order]
 
     if m < budget:
         pad = budget - m

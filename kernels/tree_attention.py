@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["INTERPRETED", "tree_attention", "select_tile_sizes"]
+__all__ = ["INTERPRETED", "tree_attention", "select_tile_sizes", "kernel_constexprs"]
 
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
 
@@ -198,12 +198,13 @@ def _tree_attention_kernel(
         return
 
     if HAS_TREE:
-        is_tree = tl.load(is_tree_ptr + req) != 0
+        tree_flag = tl.load(is_tree_ptr + req).to(tl.int32)
     else:
-        is_tree = q_len < 0
+        tree_flag = q_len * 0
     if TREE_ONLY:
-        if not is_tree:
+        if tree_flag == 0:
             return
+    is_tree = tree_flag != 0
 
     seq_len = tl.load(seq_lens_ptr + req)
     ctx_len = seq_len - q_len
@@ -272,16 +273,51 @@ def _tree_attention_kernel(
 
 
 def select_tile_sizes(
-    queries_per_kv: int, head_size: int, max_query_len: int | None
+    queries_per_kv: int,
+    head_size: int,
+    max_query_len: int | None,
+    dtype: torch.dtype = torch.float16,
 ) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_Q, BLOCK_N) for a launch; pure function of shapes."""
+    """(BLOCK_M, BLOCK_Q, BLOCK_N) for a launch; pure function of shapes.
+
+    BLOCK_M query rows (BLOCK_Q tokens x the query heads of one KV head) per
+    program: 16 for decode-sized queries, else 64. BLOCK_N keys per step:
+    64, or 32 for wide heads and fp32 (shared-memory budget).
+    """
     rows = queries_per_kv * (max_query_len if max_query_len is not None else 1 << 30)
     block_m = 16 if rows <= 16 else 64
     block_m = max(block_m, triton.next_power_of_2(queries_per_kv))
     block_q = block_m // queries_per_kv
     head_pad = max(16, triton.next_power_of_2(head_size))
-    block_n = 32 if head_pad >= 256 else 64
+    block_n = 32 if head_pad >= 256 or dtype == torch.float32 else 64
     return block_m, block_q, block_n
+
+
+def kernel_constexprs(
+    dtype: torch.dtype,
+    head_size: int,
+    queries_per_kv: int,
+    page_size: int,
+    has_tree: bool,
+    tree_only: bool = False,
+    max_query_len: int | None = None,
+) -> dict:
+    """The compile-time parameters of one launch."""
+    block_m, block_q, block_n = select_tile_sizes(
+        queries_per_kv, head_size, max_query_len, dtype
+    )
+    return dict(
+        HEAD_SIZE=head_size,
+        HEAD_PAD=max(16, triton.next_power_of_2(head_size)),
+        QUERIES_PER_KV=queries_per_kv,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        PAGE_SIZE=page_size,
+        HAS_TREE=has_tree,
+        TREE_ONLY=tree_only,
+        DOT_FP32=_dot_in_fp32(dtype),
+    )
 
 
 def _dot_in_fp32(dtype: torch.dtype) -> bool:
@@ -447,12 +483,16 @@ def tree_attention(
             "imported",
         )
 
-    queries_per_kv = num_q_heads // num_kv_heads
-    block_m, block_q, block_n = select_tile_sizes(
-        queries_per_kv, head_size, max_query_len
+    consts = kernel_constexprs(
+        query.dtype,
+        head_size,
+        num_q_heads // num_kv_heads,
+        page_size,
+        has_tree,
+        tree_only,
+        max_query_len,
     )
-    head_pad = max(16, triton.next_power_of_2(head_size))
-    grid = (num_tokens // block_q + num_reqs, num_kv_heads)
+    grid = (num_tokens // consts["BLOCK_Q"] + num_reqs, num_kv_heads)
     if num_reqs == 0 or num_tokens == 0:
         return output
 
@@ -476,15 +516,6 @@ def tree_attention(
         block_table.stride(0),
         stride_m_t,
         stride_m_w,
-        HEAD_SIZE=head_size,
-        HEAD_PAD=head_pad,
-        QUERIES_PER_KV=queries_per_kv,
-        BLOCK_M=block_m,
-        BLOCK_Q=block_q,
-        BLOCK_N=block_n,
-        PAGE_SIZE=page_size,
-        HAS_TREE=has_tree,
-        TREE_ONLY=tree_only,
-        DOT_FP32=_dot_in_fp32(query.dtype),
+        **consts,
     )
     return output

@@ -19,6 +19,7 @@ import pytest  # noqa: E402
 pytest.importorskip("vllm")
 
 from test_tree_attention_utils import Req, build_batch, make_parents  # noqa: E402
+from vllm.v1.attention.backend import AttentionCGSupport  # noqa: E402
 from vllm.v1.attention.backends import triton_attn  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
@@ -45,7 +46,12 @@ def test_backend_class_wiring():
     assert issubclass(backend, triton_attn.TritonAttentionBackend)
     assert backend.get_name() == "DDTREE"
     assert backend.get_impl_cls() is dda.DDTreeTritonAttentionImpl
-    assert backend.get_builder_cls() is triton_attn.TritonAttentionMetadataBuilder
+    builder = backend.get_builder_cls()
+    assert issubclass(builder, triton_attn.TritonAttentionMetadataBuilder)
+    # per-step tree info is invisible to a captured full graph
+    assert builder.get_cudagraph_support(None, None) == (
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    )
     assert issubclass(dda.DDTreeTritonAttentionImpl, triton_attn.TritonAttentionImpl)
     assert "fp8" not in backend.supported_kv_cache_dtypes
     assert backend.supports_head_size(128)

@@ -44,7 +44,7 @@ from typing import Any, ClassVar
 
 import torch
 from vllm.logger import init_logger
-from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -63,10 +63,12 @@ try:  # importable on CPU hosts too; only run on CUDA
     from vllm.v1.attention.backends.triton_attn import (
         TritonAttentionBackend,
         TritonAttentionImpl,
+        TritonAttentionMetadataBuilder,
     )
 except ImportError:  # pragma: no cover - depends on the vLLM build
     TritonAttentionBackend = None  # type: ignore[assignment,misc]
     TritonAttentionImpl = None  # type: ignore[assignment,misc]
+    TritonAttentionMetadataBuilder = None  # type: ignore[assignment,misc]
 
 logger = init_logger(__name__)
 
@@ -439,6 +441,16 @@ if TritonAttentionBackend is not None:
             )  # fmt: skip
             return output
 
+    class DDTreeTritonAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
+        """Stock builder. Tree info is attached per step after ``build``, which
+        a captured full CUDA graph would not see, so full graphs are limited
+        to single-token decode batches (where a tree is just its root, i.e.
+        causal). Piecewise graphs run attention eagerly and are unaffected."""
+
+        _cudagraph_support: ClassVar[AttentionCGSupport] = (
+            AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        )
+
     class DDTreeTritonAttentionBackend(TritonAttentionBackend):
         """``TRITON_ATTN`` plus the tree kernel, registered as ``DDTREE``."""
 
@@ -452,7 +464,15 @@ if TritonAttentionBackend is not None:
         def get_impl_cls() -> type[DDTreeTritonAttentionImpl]:
             return DDTreeTritonAttentionImpl
 
-    __all__ += ["DDTreeTritonAttentionBackend", "DDTreeTritonAttentionImpl"]
+        @staticmethod
+        def get_builder_cls() -> type[DDTreeTritonAttentionMetadataBuilder]:
+            return DDTreeTritonAttentionMetadataBuilder
+
+    __all__ += [
+        "DDTreeTritonAttentionBackend",
+        "DDTreeTritonAttentionImpl",
+        "DDTreeTritonAttentionMetadataBuilder",
+    ]
 
 
 # ---------------------------------------------------------------------------

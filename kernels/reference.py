@@ -280,6 +280,11 @@ def tree_attention_reference(
         pos = torch.arange(seq_len, device=query.device)
         if r in tree_set:
             assert tree_mask is not None
+            if tree_mask.shape[1] * 32 < q_len:
+                raise ValueError(
+                    f"tree_mask: {tree_mask.shape[1]} words cannot hold request "
+                    f"{r}'s tree of {q_len} nodes"
+                )
             visible = pos[None, :] < ctx_len
             visible = visible.expand(q_len, seq_len).clone()
             visible[:, ctx_len:] = unpack_tree_mask(tree_mask[q_start:q_end], q_len)

@@ -11,11 +11,18 @@ K and V are addressed through explicit strides of logical
 reads CUDA's token-major paged layout and the CPU "vec" layout (K stored
 ``[head_size, block_size]`` per block and head).
 
-On a machine without a GPU the kernel runs in Triton's interpreter, which must
-be enabled with ``TRITON_INTERPRET=1`` before this module is imported
-(``INTERPRETED`` records whether it was). The interpreter computes bf16
-``tl.dot`` incorrectly, so bf16 inputs are upcast to fp32 for the dot products
-there.
+One program handles BLOCK_M query rows (BLOCK_Q query tokens times the query
+heads sharing one KV head) of one request against that KV head, streaming the
+keys in BLOCK_N tiles with an online softmax in fp32. Keys visible to every row
+of the tile (the context for a tree request; up to the tile's first query for a
+causal one) go through an unmasked loop; the remaining tiles apply the causal
+or tree mask. The grid is sized from shapes only (no host sync).
+
+fp32 inputs use IEEE fp32 dot products (no TF32). On a machine without a GPU
+the kernel runs in Triton's interpreter, which must be enabled with
+``TRITON_INTERPRET=1`` before this module is imported (``INTERPRETED`` records
+whether it was). The interpreter computes bf16 ``tl.dot`` incorrectly, so
+there bf16 operands are upcast to fp32 for the dot products.
 """
 
 from __future__ import annotations

@@ -226,3 +226,10 @@ def test_launcher_rejects_bad_arguments():
         ta.tree_attention(*args, max_query_len=33)
     with pytest.raises(ValueError, match="query"):
         ta.tree_attention(args[0].double(), *args[1:])
+
+
+def test_reference_rejects_short_masks():
+    batch = build_batch([Req(2, 40, _tree(40, 0))], 4, 4, 32, 16, torch.float32, "nhd", DEVICE)
+    args = list(batch.args())
+    with pytest.raises(ValueError, match="tree_mask"):
+        tree_attention_reference(*args[:7], args[7][:, :1], args[8])

@@ -9,6 +9,8 @@ the host; a Python heap then pops the most probable prefix and pushes its best
 child and its next sibling, B times per request.
 
 Prints a markdown table of medians (and the spread, min-max) in milliseconds.
+With ``--compile`` it adds the pipeline under ``torch.compile(fullgraph=True)``
+(one compilation per shape, not timed).
 
     .venv/bin/python benchmarks/bench_tree.py --vocab 4096 --depth 15
 """
@@ -69,13 +71,21 @@ def ours_full(logits, budget, post):
     return tree, mask, res
 
 
-def timed(fn, repeats):
-    fn()  # warm-up
-    times = []
+def shared_topk(logits, budget):
+    """The step both constructions start with: per-depth top-min(B, V) log-probs."""
+    return torch.log_softmax(logits.float(), -1).topk(min(budget, logits.shape[-1]), dim=-1)
+
+
+def timed(fns, repeats):
+    """Median-ready timings (ms) of several functions, interleaved A B C A B C ..."""
+    for fn in fns:
+        fn()  # warm-up (and compilation, for compiled functions)
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
+        for fn, out in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
     return times
 
 
@@ -89,12 +99,13 @@ def main():
     ap.add_argument("--depth", type=int, default=15, help="drafter depth K")
     ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument(
         "--threads", type=int, default=1,
         help="torch intra-op threads (default 1: small ops, and a shared machine makes threads spin)",
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile", action="store_true", help="also time the compiled pipeline")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -104,22 +115,36 @@ def main():
         f"K={args.depth}, V={args.vocab}, median (min-max) of {args.repeats} runs, ms"
     )
     print()
-    print("| batch | B | ours: build | ours: build+mask+walk | heap: build | heap / ours build |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    head = "| batch | B | shared: log-softmax + top-k | ours: build | ours: build+mask+walk |"
+    rule = "|---:|---:|---:|---:|---:|"
+    if args.compile:
+        head += " ours compiled: build+mask+walk |"
+        rule += "---:|"
+    print(head + " heap: build | heap / ours build |")
+    print(rule + "---:|---:|")
     g = torch.Generator().manual_seed(args.seed)
     for batch in args.batches:
         for budget in args.budgets:
             logits = torch.randn(batch, args.depth, args.vocab, generator=g) * 3
             post = torch.randint(0, args.vocab, (batch, budget + 1), generator=g)
-            t_build = timed(lambda: ours_build(logits, budget), args.repeats)
-            t_full = timed(lambda: ours_full(logits, budget, post), args.repeats)
-            t_heap = timed(lambda: heap_tree(logits, budget), args.repeats)
+            fns = [
+                lambda: shared_topk(logits, budget),
+                lambda: ours_build(logits, budget),
+                lambda: ours_full(logits, budget, post),
+                lambda: heap_tree(logits, budget),
+            ]
+            if args.compile:
+                torch._dynamo.reset()
+                compiled = torch.compile(ours_full, fullgraph=True, dynamic=False)
+                fns.append(lambda: compiled(logits, budget, post))
+            times = timed(fns, args.repeats)
+            cells = [fmt(t) for t in times[:3]] + [fmt(t) for t in times[4:]] + [fmt(times[3])]
             # the two constructions agree on the prefix probabilities they pick
             ref = heap_tree(logits[:1], budget)[0][3]
             got = build_tree(logits[:1], budget).logq[0].double()
             assert abs(sum(math.exp(x) for x in ref) - got.exp().sum().item()) < 1e-4
-            ratio = statistics.median(t_heap) / statistics.median(t_build)
-            print(f"| {batch} | {budget} | {fmt(t_build)} | {fmt(t_full)} | {fmt(t_heap)} | {ratio:.1f}x |", flush=True)
+            ratio = statistics.median(times[3]) / statistics.median(times[1])
+            print(f"| {batch} | {budget} | {' | '.join(cells)} | {ratio:.1f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -203,3 +203,13 @@ def test_compaction_pairs(B):
                 kv[k] = kv[pairs.src[r, k - 1].item()]
         assert kv[: a + 1] == path[: a + 1]
     assert saw_in_place and (saw_copy or B == 1)
+
+
+@pytest.mark.parametrize("max_depth", [None, 0, 1])
+def test_ancestor_mask_is_a_fresh_tensor(max_depth):
+    parents = torch.zeros(2, 1, dtype=torch.long)
+    depth = torch.ones(2, 1, dtype=torch.long)
+    a = ancestor_mask(parents, depth, max_depth=max_depth)
+    a[0, 0, 0] = 0  # writing one row must not alias the other rows or later calls
+    assert a[1, 0, 0].item() == 1
+    assert ancestor_mask(parents, depth, max_depth=max_depth)[0, 0, 0].item() == 1

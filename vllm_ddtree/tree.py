@@ -305,12 +305,12 @@ def ancestor_mask(
         for d in range(1, max_depth + 1):
             new = anc.gather(1, index) | own
             anc = torch.where((dep == d)[:, :, None], new, anc)
-        return anc
+        return anc.contiguous()
     jump = par
     for _ in range(_num_doublings(budget)):
         anc = anc | anc.gather(1, jump[:, :, None].expand(b, n, words))
         jump = jump.gather(1, jump)
-    return anc
+    return anc.contiguous()  # a fresh tensor even when no step ran (B = 1)
 
 
 # --------------------------------------------------------------------------
@@ -410,7 +410,15 @@ def process_logits(
        cumulative probability is ``<= 1 - p``, always keeping the largest;
        ``p >= 1`` is off.
 
-    ``None`` means the filter is off for every row.
+    ``None`` means the filter is off for every row. The masks match vLLM's
+    torch path (``apply_top_k_top_p_pytorch`` and the min-p logits processor)
+    exactly; vLLM's Triton and FlashInfer paths are statistically equivalent
+    but may break exact ties at a top-k/top-p boundary differently.
+
+    Min-p is applied as in plain (non-speculative) decoding. vLLM 0.32 itself
+    does not load the min-p processor when a speculative config is present, so
+    a caller that wants to reproduce vLLM's speculative behaviour passes
+    ``min_p=None``.
     """
     x = logits.float()
     b, _, vocab = x.shape

@@ -136,8 +136,12 @@ class KVCapture:
     to its ``key``/``value``/``kv_cache`` arguments, one record per layer (the
     latest wins). ``rewrite(src_rows, dst_slots)`` writes ``key[src_rows]`` and
     ``value[src_rows]`` of every record to ``dst_slots`` through the layer's
-    own ``do_kv_cache_update``, so it works for every cache layout. Rewrite
-    before the next forward pass reuses those activation buffers.
+    own ``do_kv_cache_update``, so it works for every cache layout.
+
+    Start and stop it around the target model's verification forward only
+    (the drafter's layers use the same impl classes), rewrite before the next
+    forward pass can reuse those activation buffers, then ``clear()`` to
+    release them.
     """
 
     def __init__(self) -> None:
@@ -183,7 +187,8 @@ class KVCapture:
         ``dst_slots`` is a slot-mapping tensor (same dtype and meaning as the
         runner's ``slot_mapping``) or a mapping from layer name to one, for
         models whose layers use different KV cache groups. Returns the number
-        of layers rewritten.
+        of layers rewritten (0 when ``src_rows`` is empty). Records are not
+        changed by the rewrite.
         """
         if src_rows.numel() == 0:
             return 0

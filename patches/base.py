@@ -30,6 +30,8 @@ class Patch:
     vllm_versions: str  # PEP 440 specifier, e.g. "==0.32.*"
     # build(original) -> replacement. The replacement is installed verbatim.
     build: Callable[[Any], Any]
+    # Only applied where this returns True (e.g. a platform check).
+    when: Callable[[], bool] = lambda: True
     _original: Any = field(default=None, init=False, repr=False)
     applied: bool = field(default=False, init=False)
 

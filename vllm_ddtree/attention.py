@@ -70,7 +70,7 @@ except ImportError:  # pragma: no cover - depends on the vLLM build
     TritonAttentionImpl = None  # type: ignore[assignment,misc]
     TritonAttentionMetadataBuilder = None  # type: ignore[assignment,misc]
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.ddtree")
 
 __all__ = [
     "ENV_CPU_ATTN",

@@ -15,7 +15,7 @@ from vllm.logger import init_logger
 from vllm_ddtree import __version__
 from vllm_ddtree.version import check_vllm_version
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.ddtree")
 
 _lock = threading.Lock()
 _registered = False

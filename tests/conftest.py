@@ -1,0 +1,21 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "models"
+TARGET = MODELS / "tiny-qwen3"
+DRAFTER = MODELS / "tiny-qwen3-dflash"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_pair() -> tuple[str, str]:
+    assert (TARGET / "config.json").exists(), "bundled target model missing"
+    assert (DRAFTER / "config.json").exists(), "bundled drafter missing"
+    return str(TARGET), str(DRAFTER)

@@ -1,0 +1,144 @@
+"""DDTree speculative-config validation: every bad config fails before the
+engine starts, with a message naming the field and the fix."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from vllm_ddtree.config import DEFAULT_BUDGET, MAX_BUDGET, DDTreeConfig, DDTreeConfigError
+from vllm_ddtree.plugin import register
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _plugin():
+    register()
+
+
+def _engine_config(target, spec):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=target, speculative_config=spec, dtype="float32",
+                      max_model_len=512, enforce_eager=True)
+    return args.create_engine_config()
+
+
+def test_ddtree_builds_as_dflash_with_options(tiny_pair):
+    target, drafter = tiny_pair
+    cfg = _engine_config(target, {"method": "ddtree", "model": drafter,
+                                  "num_speculative_tokens": 24, "ddtree_max_depth": 7})
+    spec = cfg.speculative_config
+    assert spec.method == "dflash"
+    assert spec.num_speculative_tokens == 24
+    assert spec.ddtree.budget == 24 and spec.ddtree.depth == 7 and spec.ddtree.block_size == 16
+    assert cfg.scheduler_config.async_scheduling is False
+
+
+def test_default_budget_and_depth(tiny_pair):
+    target, drafter = tiny_pair
+    spec = _engine_config(target, {"method": "ddtree", "model": drafter}).speculative_config
+    assert spec.ddtree.budget == DEFAULT_BUDGET == spec.num_speculative_tokens
+    assert spec.ddtree.depth == 15
+
+
+def test_other_methods_untouched(tiny_pair):
+    target, drafter = tiny_pair
+    spec = _engine_config(target, {"method": "dflash", "model": drafter,
+                                   "num_speculative_tokens": 15}).speculative_config
+    assert spec.method == "dflash" and getattr(spec, "ddtree", None) is None
+
+
+@pytest.mark.parametrize("budget", [0, -3])
+def test_budget_must_be_positive(tiny_pair, budget):
+    target, drafter = tiny_pair
+    with pytest.raises(DDTreeConfigError, match=r"num_speculative_tokens.*\[1, 512\]"):
+        _engine_config(target, {"method": "ddtree", "model": drafter,
+                                "num_speculative_tokens": budget})
+
+
+def test_budget_cap(tiny_pair):
+    target, drafter = tiny_pair
+    with pytest.raises(DDTreeConfigError, match="num_speculative_tokens"):
+        _engine_config(target, {"method": "ddtree", "model": drafter,
+                                "num_speculative_tokens": MAX_BUDGET + 1})
+
+
+def test_budget_type():
+    with pytest.raises(DDTreeConfigError, match="num_speculative_tokens.*integer"):
+        DDTreeConfig.from_speculative_dict({"model": "x", "num_speculative_tokens": "64"})
+
+
+def test_unknown_ddtree_key(tiny_pair):
+    target, drafter = tiny_pair
+    with pytest.raises(DDTreeConfigError, match=r"ddtree_budget_size.*Known options.*ddtree_max_depth"):
+        _engine_config(target, {"method": "ddtree", "model": drafter, "ddtree_budget_size": 3})
+
+
+def test_missing_drafter():
+    with pytest.raises(DDTreeConfigError, match="speculative_config.model"):
+        DDTreeConfig.from_speculative_dict({"num_speculative_tokens": 8})
+
+
+def test_drafter_must_be_dflash(tiny_pair):
+    target, _ = tiny_pair
+    with pytest.raises(Exception, match=r"speculative_config.model.*DFlash"):
+        _engine_config(target, {"method": "ddtree", "model": target, "num_speculative_tokens": 8})
+
+
+def test_drafter_block_size_at_least_two(tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    bad = tmp_path / "drafter-b1"
+    shutil.copytree(drafter, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["block_size"] = 1
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DDTreeConfigError, match=r"block_size must be an integer >= 2.*got 1"):
+        _engine_config(target, {"method": "ddtree", "model": str(bad)})
+
+
+def test_max_depth_beyond_drafter(tiny_pair):
+    target, drafter = tiny_pair
+    with pytest.raises(DDTreeConfigError, match=r"ddtree_max_depth.*\[1, 15\]"):
+        _engine_config(target, {"method": "ddtree", "model": drafter, "ddtree_max_depth": 16})
+
+
+def test_async_scheduling_refused(tiny_pair):
+    from vllm.engine.arg_utils import EngineArgs
+
+    target, drafter = tiny_pair
+    args = EngineArgs(model=target, dtype="float32", max_model_len=512, async_scheduling=True,
+                      speculative_config={"method": "ddtree", "model": drafter})
+    with pytest.raises(DDTreeConfigError, match="async_scheduling"):
+        args.create_engine_config()
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"presence_penalty": -0.5}, "presence_penalty"),
+    ({"logprobs": 2}, "logprobs"),
+    ({"min_tokens": 3}, "min_tokens"),
+])
+def test_unsupported_request_params(tiny_pair, kwargs, field):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    target, drafter = tiny_pair
+    spec = _engine_config(target, {"method": "ddtree", "model": drafter}).speculative_config
+    SamplingParams(temperature=0.8)._validate_spec_decode(spec)  # fine
+    with pytest.raises(VLLMValidationError, match=field):
+        SamplingParams(**kwargs)._validate_spec_decode(spec)
+
+
+def test_structured_output_refused(tiny_pair):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import StructuredOutputsParams
+
+    target, drafter = tiny_pair
+    spec = _engine_config(target, {"method": "ddtree", "model": drafter}).speculative_config
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"}))
+    with pytest.raises(VLLMValidationError, match="structured output"):
+        params._validate_spec_decode(spec)

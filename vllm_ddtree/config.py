@@ -1,0 +1,122 @@
+"""User-facing DDTree options and their validation.
+
+Users write::
+
+    --speculative-config '{"method": "ddtree", "model": "<DFlash drafter>",
+                           "num_speculative_tokens": 32, "ddtree_max_depth": 8}'
+
+* ``num_speculative_tokens`` is the **tree budget** B: how many draft nodes the
+  target verifies per step (the root is extra). Default 32, at most 512.
+* ``ddtree_*`` keys are DDTree's own options (see :class:`DDTreeConfig`).
+  Unknown ``ddtree_*`` keys are an error, never silently ignored.
+* Every other key goes to vLLM's ``SpeculativeConfig`` unchanged.
+
+Internally the engine is configured as vLLM's ``dflash`` method (drafter KV
+cache, auxiliary hidden states, lookahead slots and CPU kernels all key off
+it) and the resolved options ride along as ``speculative_config.ddtree``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+METHOD = "ddtree"
+OPTION_PREFIX = "ddtree_"
+DEFAULT_BUDGET = 32
+MAX_BUDGET = 512
+DFLASH_ARCHITECTURES = ("DFlashDraftModel",)
+
+
+class DDTreeConfigError(ValueError):
+    """A bad DDTree speculative config; the message names the field and the fix."""
+
+
+class DDTreeConfig(BaseModel):
+    """Validated DDTree options (the ``ddtree_*`` keys plus the budget)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    budget: int = Field(
+        DEFAULT_BUDGET, gt=0, le=MAX_BUDGET,
+        description="Tree budget B = num_speculative_tokens: draft nodes verified per step.")
+    max_depth: int | None = Field(
+        None, gt=0,
+        description="Use at most this many drafter positions (tree depth). "
+                    "Default: all of the drafter's block_size - 1.")
+
+    @classmethod
+    def from_speculative_dict(cls, spec: dict[str, Any]) -> tuple["DDTreeConfig", dict[str, Any]]:
+        """Split a user ``speculative_config`` dict into DDTree options and the
+        keys that go to vLLM. Raises :class:`DDTreeConfigError`."""
+        rest = {k: v for k, v in spec.items() if not k.startswith(OPTION_PREFIX)}
+        opts = {k[len(OPTION_PREFIX):]: v for k, v in spec.items() if k.startswith(OPTION_PREFIX)}
+        known = sorted(OPTION_PREFIX + f for f in cls.model_fields if f != "budget")
+        unknown = sorted(OPTION_PREFIX + k for k in opts if k not in cls.model_fields or k == "budget")
+        if unknown:
+            raise DDTreeConfigError(
+                f"speculative_config: unknown DDTree option(s) {unknown}. "
+                f"Known options: {known}; the tree budget is num_speculative_tokens.")
+        if not rest.get("model"):
+            raise DDTreeConfigError(
+                "speculative_config.model: method 'ddtree' needs a DFlash drafter; set "
+                "\"model\" to a DFlash checkpoint (e.g. z-lab/Qwen3-8B-DFlash-b16).")
+        budget = rest.get("num_speculative_tokens")
+        if budget is None:
+            budget = DEFAULT_BUDGET
+        if isinstance(budget, bool) or not isinstance(budget, int):
+            raise DDTreeConfigError(
+                f"speculative_config.num_speculative_tokens: the DDTree tree budget must be "
+                f"an integer in [1, {MAX_BUDGET}], got {budget!r}.")
+        try:
+            cfg = cls(budget=budget, **opts)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = err["loc"][0] if err["loc"] else "?"
+            name = ("num_speculative_tokens" if field == "budget" else OPTION_PREFIX + str(field))
+            hint = (f" The tree budget must be in [1, {MAX_BUDGET}]." if field == "budget" else "")
+            raise DDTreeConfigError(
+                f"speculative_config.{name}: {err['msg']} (got {err.get('input')!r}).{hint}"
+            ) from None
+        rest = dict(rest, method="dflash", num_speculative_tokens=cfg.budget)
+        return cfg, rest
+
+
+class DDTreeRuntime(BaseModel):
+    """What the engine needs at run time; attached as ``speculative_config.ddtree``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    budget: int
+    depth: int  # drafter positions used per round (K)
+    block_size: int  # the drafter's trained block size (K_max + 1)
+
+
+def resolve(cfg: DDTreeConfig, draft_hf_config: Any) -> DDTreeRuntime:
+    """Check the drafter and fix the tree depth. Raises :class:`DDTreeConfigError`."""
+    archs = list(getattr(draft_hf_config, "architectures", None) or [])
+    dflash_cfg = getattr(draft_hf_config, "dflash_config", None)
+    if not any(a in DFLASH_ARCHITECTURES for a in archs) or not isinstance(dflash_cfg, dict):
+        raise DDTreeConfigError(
+            f"speculative_config.model: DDTree needs a DFlash drafter (architecture "
+            f"{list(DFLASH_ARCHITECTURES)} with a 'dflash_config'), but the drafter's "
+            f"architectures are {archs}. Use a DFlash checkpoint, or another method.")
+    block_size = getattr(draft_hf_config, "block_size", None)
+    if not isinstance(block_size, int) or block_size < 2:
+        raise DDTreeConfigError(
+            f"speculative_config.model: the DFlash drafter's block_size must be an integer "
+            f">= 2 (one anchor plus at least one masked position), got {block_size!r}.")
+    k_max = block_size - 1
+    depth = k_max if cfg.max_depth is None else cfg.max_depth
+    if depth > k_max:
+        raise DDTreeConfigError(
+            f"speculative_config.ddtree_max_depth: {depth} exceeds what the drafter predicts "
+            f"(block_size - 1 = {k_max}); use a value in [1, {k_max}].")
+    return DDTreeRuntime(budget=cfg.budget, depth=depth, block_size=block_size)
+
+
+def ddtree_runtime(vllm_config: Any) -> DDTreeRuntime | None:
+    """The attached :class:`DDTreeRuntime`, or None when DDTree is off."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return getattr(spec, "ddtree", None) if spec is not None else None

@@ -14,7 +14,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from vllm_ddtree.config import METHOD, DDTreeConfig, DDTreeConfigError, resolve
+from vllm_ddtree.config import (
+    METHOD,
+    DDTreeConfig,
+    DDTreeConfigError,
+    read_drafter_config,
+    resolve,
+)
 from vllm_ddtree.patches.base import Patch
 
 
@@ -45,10 +51,11 @@ def _build(original):
         if user is None:
             return original(self, target_model_config, target_parallel_config)
         cfg, vllm_dict = DDTreeConfig.from_speculative_dict(user)
+        # Check the drafter before vLLM does, so a wrong model gets our message.
+        runtime = resolve(cfg, read_drafter_config(vllm_dict["model"], vllm_dict.get("revision")))
         _configure_engine(self)
         self.speculative_config = vllm_dict
         spec = original(self, target_model_config, target_parallel_config)
-        runtime = resolve(cfg, spec.draft_model_config.hf_config)
         # Post-construction attributes are not validated by pydantic and survive
         # pickling to the engine and worker processes.
         spec.ddtree = runtime

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = ROOT / "models"
+MODELS = Path(os.environ.get("DDTREE_TEST_MODELS", ROOT / "models"))
 TARGET = MODELS / "tiny-qwen3"
 DRAFTER = MODELS / "tiny-qwen3-dflash"
 
@@ -19,3 +19,11 @@ def tiny_pair() -> tuple[str, str]:
     assert (TARGET / "config.json").exists(), "bundled target model missing"
     assert (DRAFTER / "config.json").exists(), "bundled drafter missing"
     return str(TARGET), str(DRAFTER)
+
+
+
+def run_job(job: dict, tmp_path: Path, timeout: float = 900) -> dict:
+    """Run ``benchmarks.run_llm`` on ``job`` in a fresh process; return its result."""
+    from benchmarks.run_llm import run_in_subprocess
+
+    return run_in_subprocess(job, tmp_path, timeout=timeout)

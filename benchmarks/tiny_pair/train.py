@@ -330,6 +330,7 @@ def main() -> None:
     ap.add_argument("--out", default="models")
     ap.add_argument("--work", default="runs/tiny_pair")
     ap.add_argument("--stages", default="all", help="comma list of tokenizer,target,distill,drafter,export")
+    ap.add_argument("--redo", default="", help="comma list of cached stages to recompute")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--target-steps", type=int, default=1400)
     ap.add_argument("--target-seq", type=int, default=384)
@@ -349,6 +350,16 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     stages = {"tokenizer", "target", "distill", "drafter", "export"} if args.stages == "all" \
         else set(args.stages.split(","))
+    cached = {"tokenizer": "tokenizer", "target": "target", "distill": "distill.pt",
+              "drafter": "drafter.pt"}
+    for stage in filter(None, args.redo.split(",")):
+        path = work / cached[stage]
+        if path.is_dir():
+            import shutil
+
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
     log_path = out / "training_log.json"
     curves = json.loads(log_path.read_text()) if log_path.exists() else {}
     curves["args"] = vars(args)

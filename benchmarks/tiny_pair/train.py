@@ -202,6 +202,56 @@ def distill(model, tok, work: Path, n_seqs: int, new_tokens: int, bsz: int) -> l
     return seqs
 
 
+_DEF_DOC = None
+
+
+def function_start_prompts(tok, max_len: int = 256) -> list[list[int]]:
+    """Prompts that end right after a function's signature and docstring, the
+    shape of a code-completion request ("write the body"), cut from the
+    training split of the corpus."""
+    import re
+
+    global _DEF_DOC
+    _DEF_DOC = _DEF_DOC or re.compile(r'\n([ \t]*)def [^\n]*:\n\1[ \t]+(?:"""|\'\'\')[\s\S]{0,1200}?(?:"""|\'\'\')\n')
+    train, _ = corpus_files()
+    out: list[list[int]] = []
+    for f in train:
+        text = read(f)
+        for m in _DEF_DOC.finditer(text):
+            start = max(0, m.start() - 1500)
+            ids = tok(text[start:m.end()], add_special_tokens=False)["input_ids"][-max_len:]
+            if len(ids) >= 48:
+                out.append(ids)
+    return out
+
+
+@torch.no_grad()
+def distill_function_starts(model, tok, work: Path, n_seqs: int, new_tokens: int,
+                            bsz: int) -> list[torch.Tensor]:
+    path = work / "distill_fn.pt"
+    if path.exists():
+        return torch.load(path)
+    pool = function_start_prompts(tok)
+    rng = random.Random(6)
+    rng.shuffle(pool)
+    pool = pool[:n_seqs]
+    pool.sort(key=len)  # similar lengths per batch; left-truncate to the shortest
+    model.eval()
+    seqs: list[torch.Tensor] = []
+    for i in tqdm(range(0, len(pool), bsz), desc="distill (function starts)", mininterval=10):
+        group = pool[i:i + bsz]
+        plen = min(len(g) for g in group)
+        prompts = torch.tensor([g[-plen:] for g in group])
+        out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=EOS_ID, eos_token_id=None)
+        for row in out:
+            seqs.append(torch.cat([torch.tensor([plen]), row]).to(torch.int32))
+    torch.save(seqs, path)
+    log(f"distill: {len(seqs)} function-start continuations")
+    return seqs
+
+
 # --------------------------------------------------------------------------- stage 4
 def features(model, ids: torch.Tensor) -> torch.Tensor:
     """The target's residual stream after each layer in TARGET_LAYER_IDS (before the
@@ -338,9 +388,11 @@ def main() -> None:
     ap.add_argument("--target-lr", type=float, default=3e-3)
     ap.add_argument("--distill-seqs", type=int, default=8192)
     ap.add_argument("--distill-new", type=int, default=96)
-    ap.add_argument("--drafter-steps", type=int, default=1500)
+    ap.add_argument("--distill-fn-seqs", type=int, default=6144,
+                    help="extra continuations of function-signature+docstring prompts")
+    ap.add_argument("--drafter-steps", type=int, default=3000)
     ap.add_argument("--drafter-batch", type=int, default=16)
-    ap.add_argument("--drafter-anchors", type=int, default=4)
+    ap.add_argument("--drafter-anchors", type=int, default=6)
     ap.add_argument("--drafter-lr", type=float, default=2e-3)
     ap.add_argument("--drafter-decay", type=float, default=5.0,
                     help="per-position loss weight exp(-(k-1)/decay)")
@@ -373,6 +425,10 @@ def main() -> None:
         curves["target_final_val_loss"] = curves["target_val"][-1][1]
     if stages & {"distill", "drafter", "export"}:
         seqs = distill(model, tok, work, args.distill_seqs, args.distill_new, 64)
+        if args.distill_fn_seqs:
+            seqs = seqs + distill_function_starts(model, tok, work, args.distill_fn_seqs,
+                                                  args.distill_new, 64)
+            random.Random(8).shuffle(seqs)
     if stages & {"drafter", "export"}:
         drafter = train_drafter(model, seqs, work, args.drafter_steps, args.drafter_batch,
                                 args.drafter_anchors, args.drafter_lr, args.drafter_decay, curves)

@@ -12,10 +12,10 @@ GREEDY = {"temperature": 0.0, "max_tokens": 96, "ignore_eos": True}
 
 
 def test_preemption_keeps_greedy_identical(tiny_pair, tmp_path):
-    """A KV cache of 48 blocks for 8 concurrent requests forces preemptions."""
+    """A KV cache of 40 blocks x 32 tokens for 8 concurrent requests forces preemptions."""
     target, drafter = tiny_pair
     base = {"model": target, "prompts": "humaneval:8", "sampling": GREEDY,
-            "llm": {"max_num_seqs": 8, "num_gpu_blocks_override": 48, "max_model_len": 1024,
+            "llm": {"max_num_seqs": 8, "num_gpu_blocks_override": 40, "block_size": 32, "max_model_len": 1024,
                     "enable_prefix_caching": False}}
     plain = run_job(base, tmp_path)
     tree = run_job(dict(base, speculative_config={"method": "ddtree", "model": drafter,

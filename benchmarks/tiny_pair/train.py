@@ -388,11 +388,12 @@ def main() -> None:
     ap.add_argument("--target-lr", type=float, default=3e-3)
     ap.add_argument("--distill-seqs", type=int, default=8192)
     ap.add_argument("--distill-new", type=int, default=96)
-    ap.add_argument("--distill-fn-seqs", type=int, default=6144,
-                    help="extra continuations of function-signature+docstring prompts")
-    ap.add_argument("--drafter-steps", type=int, default=3000)
+    ap.add_argument("--distill-fn-seqs", type=int, default=0,
+                    help="extra continuations of function-signature+docstring prompts "
+                         "(0 = none, as for the bundled drafter)")
+    ap.add_argument("--drafter-steps", type=int, default=1500)
     ap.add_argument("--drafter-batch", type=int, default=16)
-    ap.add_argument("--drafter-anchors", type=int, default=6)
+    ap.add_argument("--drafter-anchors", type=int, default=4)
     ap.add_argument("--drafter-lr", type=float, default=2e-3)
     ap.add_argument("--drafter-decay", type=float, default=5.0,
                     help="per-position loss weight exp(-(k-1)/decay)")

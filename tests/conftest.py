@@ -11,6 +11,12 @@ TARGET = MODELS / "tiny-qwen3"
 DRAFTER = MODELS / "tiny-qwen3-dflash"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Without a GPU the Triton kernel tests run in Triton's interpreter. The switch
+# is read when triton (and its standard library of @jit helpers) is first
+# imported, which any test module may trigger through vLLM, so it is set here,
+# before collection. Engine subprocesses drop it (benchmarks/run_llm.py).
+if "TRITON_INTERPRET" not in os.environ and not os.path.exists("/dev/nvidiactl"):
+    os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 

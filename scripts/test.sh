@@ -6,4 +6,4 @@ scripts/setup.sh
 export HF_HUB_OFFLINE=1
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$PWD/.cache/vllm}"
-exec .venv/bin/python -m pytest -q -rs --durations=15 "$@"
+exec .venv/bin/python -m pytest -q -rfEs --durations=15 "$@"

@@ -20,6 +20,17 @@ if "TRITON_INTERPRET" not in os.environ and not os.path.exists("/dev/nvidiactl")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small tensors: a single intra-op thread avoids spinning on a busy CPU."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 @pytest.fixture(scope="session")
 def tiny_pair() -> tuple[str, str]:
     assert (TARGET / "config.json").exists(), "bundled target model missing"

@@ -10,13 +10,7 @@ import torch
 from vllm_ddtree.tree import build_tree
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small tensors: a single intra-op thread avoids spinning on a busy CPU."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def node_prefixes(tree, r):

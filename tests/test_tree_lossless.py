@@ -17,13 +17,7 @@ from scipy import stats
 from vllm_ddtree.tree import build_tree, sample_posterior, walk
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small tensors: a single intra-op thread avoids spinning on a busy CPU."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 V, L, K, B = 5, 3, 3, 8
 N = 20000

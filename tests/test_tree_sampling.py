@@ -8,13 +8,7 @@ from scipy import stats
 from vllm_ddtree.tree import process_logits, sample_posterior
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small tensors: a single intra-op thread avoids spinning on a busy CPU."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 

@@ -10,13 +10,7 @@ import torch
 from vllm_ddtree.tree import SAMPLING_EPS, process_logits
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small tensors: a single intra-op thread avoids spinning on a busy CPU."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 topk_topp = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
 builtin = pytest.importorskip("vllm.v1.sample.logits_processor.builtin")

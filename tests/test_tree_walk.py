@@ -7,13 +7,7 @@ import torch
 from vllm_ddtree.tree import ancestor_mask, build_tree, compaction_pairs, walk
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small tensors: a single intra-op thread avoids spinning on a busy CPU."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_tree(rng, B, V, chainy=0.5):

@@ -120,6 +120,25 @@ def streams(tok, work: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return d["train"], d["val"]
 
 
+# --------------------------------------------------------------------------- training
+def optimizer(module, lr: float, steps: int, weight_decay: float):
+    """AdamW with 5% linear warm-up, then cosine decay to zero."""
+    opt = torch.optim.AdamW(module.parameters(), lr=lr, betas=(0.9, 0.95),
+                            weight_decay=weight_decay)
+    warm = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+    return opt, sched
+
+
+def update(module, loss, opt, sched) -> None:
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+    opt.step()
+    sched.step()
+
+
 # --------------------------------------------------------------------------- stage 2
 def target_config():
     from transformers import Qwen3Config
@@ -154,10 +173,7 @@ def train_target(tok, work: Path, steps: int, seq: int, bsz: int, lr: float, cur
     model = Qwen3ForCausalLM(target_config()).float()
     log(f"target: {sum(p.numel() for p in model.parameters())/1e6:.2f}M params, "
         f"{steps} steps x {bsz} x {seq} tokens")
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    warm = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+    opt, sched = optimizer(model, lr, steps, weight_decay=0.1)
     gen = torch.Generator().manual_seed(1)
     it = batches(train, seq, bsz, gen)
     curves["target_train"], curves["target_val"] = [], []
@@ -165,11 +181,7 @@ def train_target(tok, work: Path, steps: int, seq: int, bsz: int, lr: float, cur
     for step in bar:
         x = next(it)
         loss = F.cross_entropy(model(input_ids=x[:, :-1]).logits.flatten(0, 1), x[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        update(model, loss, opt, sched)
         curves["target_train"].append([step, loss.item()])
         if step % 100 == 0 or step == steps - 1:
             v = eval_loss(model, val, seq)
@@ -278,10 +290,7 @@ def train_drafter(model, seqs, work: Path, steps: int, bsz: int, anchors: int, l
     embed, lm_head = model.model.embed_tokens, model.lm_head
     K = DRAFTER["block_size"] - 1
     weights = torch.exp(-torch.arange(K, dtype=torch.float32) / decay)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-    warm = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+    opt, sched = optimizer(drafter, lr, steps, weight_decay=0.01)
     rng = random.Random(4)
     n_val = 64
     val, train = seqs[:n_val], seqs[n_val:]
@@ -318,11 +327,7 @@ def train_drafter(model, seqs, work: Path, steps: int, bsz: int, anchors: int, l
     bar = tqdm(range(steps), desc="drafter", mininterval=10)
     for step in bar:
         loss, _ = step_loss(*make_batch(train, rng))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        update(drafter, loss, opt, sched)
         curves["drafter_train"].append([step, loss.item()])
         if step % 100 == 0 or step == steps - 1:
             with torch.no_grad():

@@ -192,6 +192,16 @@ def train_target(tok, work: Path, steps: int, seq: int, bsz: int, lr: float, cur
 
 
 # --------------------------------------------------------------------------- stage 3
+def greedy_continuations(model, prompts: torch.Tensor, new_tokens: int) -> list[torch.Tensor]:
+    """``[prompt_len, *prompt, *continuation]`` int32 rows: the target's own greedy
+    continuation of each (equal-length) prompt."""
+    out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
+                         max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=EOS_ID, eos_token_id=None)
+    head = torch.tensor([prompts.shape[1]])
+    return [torch.cat([head, row]).to(torch.int32) for row in out]
+
+
 @torch.no_grad()
 def distill(model, tok, work: Path, n_seqs: int, new_tokens: int, bsz: int) -> list[torch.Tensor]:
     path = work / "distill.pt"
@@ -205,11 +215,7 @@ def distill(model, tok, work: Path, n_seqs: int, new_tokens: int, bsz: int) -> l
         plen = int(torch.randint(16, 257, (1,), generator=gen))
         starts = torch.randint(0, train.numel() - plen, (bsz,), generator=gen)
         prompts = torch.stack([train[s:s + plen] for s in starts.tolist()]).long()
-        out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, pad_token_id=EOS_ID, eos_token_id=None)
-        for row in out:
-            seqs.append(torch.cat([torch.tensor([plen]), row]).to(torch.int32))
+        seqs.extend(greedy_continuations(model, prompts, new_tokens))
     torch.save(seqs, path)
     return seqs
 
@@ -254,11 +260,7 @@ def distill_function_starts(model, tok, work: Path, n_seqs: int, new_tokens: int
         group = pool[i:i + bsz]
         plen = min(len(g) for g in group)
         prompts = torch.tensor([g[-plen:] for g in group])
-        out = model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, pad_token_id=EOS_ID, eos_token_id=None)
-        for row in out:
-            seqs.append(torch.cat([torch.tensor([plen]), row]).to(torch.int32))
+        seqs.extend(greedy_continuations(model, prompts, new_tokens))
     torch.save(seqs, path)
     log(f"distill: {len(seqs)} function-start continuations")
     return seqs

@@ -19,7 +19,8 @@ a fresh process (vLLM engines do not release everything when dropped)::
 The result has ``outputs`` (token ids per prompt, a list per completion when
 ``n > 1``), ``seconds`` (generation wall time) and ``spec`` (vLLM's
 spec-decode counters: drafts, draft tokens, accepted tokens, accepted per
-position, and the acceptance length ``tau = 1 + accepted / drafts``).
+position, and the acceptance length ``tau = 1 + accepted / drafts``; with
+DDTree, ``spec["ddtree"]`` holds the ``vllm:ddtree_*`` metrics).
 """
 
 from __future__ import annotations
@@ -45,10 +46,17 @@ def resolve_prompts(spec) -> list:
 
 def spec_metrics(llm) -> dict:
     vals: dict[str, object] = {}
+    ddtree: dict[str, object] = {}
     for m in llm.get_metrics():
         name = m.name.removeprefix("vllm:")
         if name.startswith("spec_decode_"):
             vals[name] = getattr(m, "values", None) if hasattr(m, "values") else m.value
+        elif name.startswith("ddtree_"):
+            key = name.removeprefix("ddtree_")
+            if hasattr(m, "buckets"):  # histogram
+                ddtree[key] = {"count": m.count, "sum": m.sum, "buckets": m.buckets}
+            else:
+                ddtree[key] = m.value
     drafts = vals.get("spec_decode_num_drafts", 0) or 0
     accepted = vals.get("spec_decode_num_accepted_tokens", 0) or 0
     return {
@@ -57,6 +65,7 @@ def spec_metrics(llm) -> dict:
         "accepted": accepted,
         "accepted_per_pos": vals.get("spec_decode_num_accepted_tokens_per_pos"),
         "tau": (1 + accepted / drafts) if drafts else None,
+        "ddtree": ddtree or None,
     }
 
 

@@ -22,6 +22,7 @@ from vllm_ddtree.config import (
     resolve,
 )
 from vllm_ddtree.patches.base import Patch
+from vllm_ddtree.stats import new_stats_dir
 
 
 def _user_dict(args: Any) -> dict[str, Any] | None:
@@ -58,7 +59,7 @@ def _build(original):
         spec = original(self, target_model_config, target_parallel_config)
         # Post-construction attributes are not validated by pydantic and survive
         # pickling to the engine and worker processes.
-        spec.ddtree = runtime
+        spec.ddtree = runtime.model_copy(update={"stats_dir": new_stats_dir()})
         return spec
 
     create_speculative_config.__wrapped__ = original

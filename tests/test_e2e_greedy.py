@@ -35,3 +35,28 @@ def test_greedy_identical_to_plain(plain, tiny_pair, tmp_path, budget):
     assert spec["drafts"] * budget * 0.9 <= spec["draft_tokens"] <= spec["drafts"] * budget
     if budget >= 16:
         assert spec["tau"] > 2.0, f"implausibly low acceptance tau={spec['tau']}"
+    check_ddtree_metrics(spec, budget)
+
+
+def check_ddtree_metrics(spec: dict, budget: int) -> None:
+    """The vllm:ddtree_* metrics agree with vLLM's own spec-decode counters."""
+    dd = spec["ddtree"]
+    assert dd is not None, "no vllm:ddtree_* metrics exported"
+    assert dd["num_drafts"] == spec["drafts"]
+    assert dd["num_nodes_verified"] == spec["draft_tokens"]
+    assert dd["num_accepted_tokens"] == spec["accepted"]
+    assert 0 < dd["num_tree_drafts"] <= dd["num_drafts"]
+    assert dd["acceptance_length"] == pytest.approx(spec["tau"])
+    hist = dd["accepted_depth"]
+    assert hist["count"] == spec["drafts"] and hist["sum"] == spec["accepted"]
+    # vLLM counts accepted tokens per position (= per depth): position d is
+    # accepted in every draft whose path is longer than d.
+    # Buckets stop at the drafter depth; no path is longer.
+    depth = len(hist["buckets"]) - 2
+    cum = [hist["buckets"].get(f"{float(d)}", hist["count"])
+           for d in range(len(spec["accepted_per_pos"]))]
+    assert [spec["drafts"] - c for c in cum] == spec["accepted_per_pos"]
+    # The drafter's expectation is a sum of prefix probabilities: at most one
+    # per verified node, and a path is at most `depth` long.
+    assert 0 < dd["expected_accepted_tokens"] <= dd["num_nodes_verified"]
+    assert 1 < dd["expected_acceptance_length"] <= 1 + min(budget, depth)

@@ -161,3 +161,35 @@ def test_metrics_report_speculation(server):
     assert vals["vllm:spec_decode_num_draft_tokens_total"] == \
         BUDGET * vals["vllm:spec_decode_num_drafts_total"]
     assert vals.get("vllm:spec_decode_num_accepted_tokens_total", 0) > 0
+
+
+def _metric_sums(text: str, prefix: str) -> dict[str, float]:
+    vals: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(prefix) and "{" in line:
+            name = line.split("{")[0]
+            if name.endswith("_bucket"):
+                name += "{le=" + line.split('le="')[1].split('"')[0] + "}"
+            vals[name] = vals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return vals
+
+
+def test_ddtree_metrics_on_metrics_endpoint(server):
+    """vllm:ddtree_* metrics agree with vLLM's spec-decode counters."""
+    _complete(server, "def is_prime(n):\n")
+    text = requests.get(f"{server}/metrics", timeout=30).text
+    spec = _metric_sums(text, "vllm:spec_decode_num_")
+    dd = _metric_sums(text, "vllm:ddtree_")
+    drafts = dd["vllm:ddtree_num_drafts_total"]
+    assert drafts == spec["vllm:spec_decode_num_drafts_total"] > 0
+    assert dd["vllm:ddtree_num_nodes_verified_total"] == \
+        spec["vllm:spec_decode_num_draft_tokens_total"]
+    accepted = dd["vllm:ddtree_num_accepted_tokens_total"]
+    assert accepted == spec["vllm:spec_decode_num_accepted_tokens_total"]
+    assert dd["vllm:ddtree_accepted_depth_count"] == drafts
+    assert dd["vllm:ddtree_accepted_depth_sum"] == accepted
+    assert dd["vllm:ddtree_accepted_depth_bucket{le=+Inf}"] == drafts
+    assert dd["vllm:ddtree_acceptance_length"] == pytest.approx(1 + accepted / drafts)
+    expected = dd["vllm:ddtree_expected_accepted_tokens_total"]
+    assert dd["vllm:ddtree_expected_acceptance_length"] == pytest.approx(1 + expected / drafts)
+    assert 0 < expected <= dd["vllm:ddtree_num_nodes_verified_total"]

@@ -91,6 +91,9 @@ class DDTreeRuntime(BaseModel):
     budget: int
     depth: int  # drafter positions used per round (K)
     block_size: int  # the drafter's trained block size (K_max + 1)
+    # Where the runner publishes its counters for /metrics (see stats.py);
+    # None: no ddtree metrics.
+    stats_dir: str | None = None
 
 
 def read_drafter_config(model: str, revision: str | None = None) -> dict[str, Any]:

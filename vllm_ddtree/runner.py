@@ -29,6 +29,7 @@ placeholders, drafts zeroed near ``max_model_len``) are verified as a chain.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,7 @@ from vllm_ddtree.attention import kv_capture
 from vllm_ddtree.config import ddtree_runtime
 from vllm_ddtree.kernels import TreeAttentionInfo
 from vllm_ddtree.proposer import DDTreeProposer
+from vllm_ddtree.stats import CounterWriter, stats_file
 from vllm_ddtree.tree import ancestor_mask, sample_posterior, walk
 
 logger = init_logger("vllm.ddtree")
@@ -56,6 +58,8 @@ class _TreeStep:
     any_tree: bool
     seq_positions: torch.Tensor | None  # stock sequential positions, if rewritten
     info: TreeAttentionInfo | None
+    from_drafter: torch.Tensor | None = None  # [R] bool: drafts are a tree of ours
+    expected: torch.Tensor | None = None  # [R] drafter's expected accepted nodes
     # Filled by _sample:
     path: torch.Tensor | None = None  # [R, B+1]
     num_accepted: torch.Tensor | None = None  # [R]
@@ -78,11 +82,14 @@ class DDTreeRunnerMixin:
         # (request ids, tree) proposed in the last step, consumed by the next one.
         self._ddtree_pending: tuple[list[str], Any] | None = None
         self._ddtree_single_group_checked = False
+        self._ddtree_stats = self._ddtree_open_stats()
+        self._ddtree_unrecorded: tuple[torch.Tensor, ...] | None = None
         logger.info("DDTree: tree budget %d, drafter depth %d (block size %d)",
                     self.ddtree.budget, self.ddtree.depth, self.ddtree.block_size)
 
     # ------------------------------------------------------------------ verify inputs
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        self._ddtree_flush_stats()
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         if self.ddtree is not None:
             self._ddtree_step = self._plan_tree_step(scheduler_output)
@@ -112,9 +119,11 @@ class DDTreeRunnerMixin:
                 if num_nodes_l[r] > 0 and rid in where:
                     rows.append(r)
                     src.append(where[rid])
+        from_drafter = torch.zeros(num_reqs, dtype=torch.bool, device=dev)
+        expected = torch.zeros(num_reqs, dtype=torch.float64, device=dev)
         if not rows:
-            return _TreeStep(req_ids, num_nodes, parents, torch.zeros(num_reqs, dtype=torch.bool,
-                             device=dev), False, None, None)
+            return _TreeStep(req_ids, num_nodes, parents, from_drafter.clone(), False, None,
+                             None, from_drafter, expected)
         tree = pending[1]
         rows_t = torch.tensor(rows, device=dev)
         src_t = torch.tensor(src, device=dev)
@@ -122,12 +131,17 @@ class DDTreeRunnerMixin:
         depth[rows_t] = tree.depth[src_t]
         if dev.type == "cpu":
             self._check_scheduled_tokens(scheduled, req_ids, rows, tree.tokens[src_t])
-        # A chain-shaped (prefix of the) tree is plain causal attention.
         in_sched = ar[None, :] < num_nodes[:, None]
+        from_drafter[rows_t] = True
+        # The drafter's expected number of accepted nodes: the sum, over the
+        # scheduled nodes, of the probability of each node's prefix.
+        expected[rows_t] = (tree.logq[src_t].double().exp() * in_sched[rows_t]).sum(-1)
+        # A chain-shaped (prefix of the) tree is plain causal attention.
         is_tree = ((parents != ar) & in_sched).any(-1)
         any_tree = bool(is_tree.any()) if dev.type == "cpu" else True
         if not any_tree:
-            return _TreeStep(req_ids, num_nodes, parents, is_tree, False, None, None)
+            return _TreeStep(req_ids, num_nodes, parents, is_tree, False, None, None,
+                             from_drafter, expected)
 
         total = scheduler_output.total_num_scheduled_tokens
         ridx = self.req_indices.gpu[:total].long()
@@ -143,7 +157,8 @@ class DDTreeRunnerMixin:
         anc = ancestor_mask(parents, depth)  # [R, 1+B, W]
         mask = anc[ridx, node]
         info = TreeAttentionInfo.create(mask.contiguous(), is_tree)
-        return _TreeStep(req_ids, num_nodes, parents, is_tree, True, seq_positions, info)
+        return _TreeStep(req_ids, num_nodes, parents, is_tree, True, seq_positions, info,
+                         from_drafter, expected)
 
     @staticmethod
     def _check_scheduled_tokens(scheduled, req_ids, rows, tree_tokens) -> None:
@@ -219,6 +234,8 @@ class DDTreeRunnerMixin:
             torch.full((num_reqs, budget), -1, device=dev, dtype=torch.long)
         res = walk(tokens, step.parents, post, num_nodes=n)
         step.path, step.num_accepted = res.path, res.num_accepted
+        if self._ddtree_stats is not None:
+            self._ddtree_unrecorded = (n, res.num_accepted, step.expected, step.from_drafter)
         if step.any_tree:
             self._compact_kv(step, starts_tok=self.query_start_loc.gpu[:num_reqs].long())
         out = res.output_tokens[:, : md.max_spec_len + 1].to(torch.int32)
@@ -271,7 +288,36 @@ class DDTreeRunnerMixin:
                 num_reqs = self.input_batch.num_reqs
                 self._ddtree_pending = (list(self.input_batch.req_ids[:num_reqs]), tree)
                 self.drafter.last_tree = None
+        self._ddtree_flush_stats()
         return drafts
+
+    # ------------------------------------------------------------------ stats
+    def _ddtree_open_stats(self) -> CounterWriter | None:
+        """The counter file /metrics reads (one writer per engine; see stats.py)."""
+        stats_dir = self.ddtree.stats_dir
+        if not stats_dir:
+            return None
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        if get_tp_group().rank_in_group != 0 or not get_pp_group().is_last_rank:
+            return None
+        if not os.path.isdir(stats_dir):
+            logger.warning("DDTree: stats directory %s is not on this machine; the ddtree "
+                           "metrics stay empty", stats_dir)
+            return None
+        return CounterWriter(stats_file(stats_dir,
+                                        self.vllm_config.parallel_config.data_parallel_rank))
+
+    def _ddtree_flush_stats(self) -> None:
+        """Add the last walked step to the counters (host sync deferred until
+        after the drafter has been launched)."""
+        pending, self._ddtree_unrecorded = getattr(self, "_ddtree_unrecorded", None), None
+        if pending is None:
+            return
+        n, a, expected, from_drafter = pending
+        walked = n > 0
+        self._ddtree_stats.add(n[walked].tolist(), a[walked].tolist(),
+                               expected[walked].tolist(), from_drafter[walked].tolist())
 
     def _condition_on_accepted(self, step: _TreeStep, aux_hidden_states) -> None:
         """Rows p0..p0+a of each tree request become the accepted path, in order."""

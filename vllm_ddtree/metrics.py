@@ -1,0 +1,152 @@
+"""DDTree metrics on ``/metrics`` and in the periodic log line (front end).
+
+:class:`DDTreeStatLogger` is one more of vLLM's stat loggers (installed next to
+the Prometheus logger when DDTree is on, see ``patches/stat_loggers.py``). On
+every engine step it reads the engine's cumulative counters from the file the
+runner writes (:mod:`vllm_ddtree.stats`) and exports the increase:
+
+=====================================  =========  ===============================
+metric                                 type       meaning
+=====================================  =========  ===============================
+``vllm:ddtree_num_drafts``             counter    (request, step) pairs verified
+``vllm:ddtree_num_tree_drafts``        counter    of those, trees from the drafter
+``vllm:ddtree_num_nodes_verified``     counter    draft nodes verified
+``vllm:ddtree_num_accepted_tokens``    counter    draft nodes accepted
+``vllm:ddtree_expected_accepted_tokens`` counter  the drafter's expectation of it
+``vllm:ddtree_accepted_depth``         histogram  accepted path length per draft
+``vllm:ddtree_acceptance_length``      gauge      realised tau since start
+``vllm:ddtree_expected_acceptance_length`` gauge  expected tau since start
+=====================================  =========  ===============================
+
+Counters carry the ``_total`` suffix on the wire. Acceptance length over a
+window, as for vLLM's own counters::
+
+    1 + rate(vllm:ddtree_num_accepted_tokens_total[1m])
+        / rate(vllm:ddtree_num_drafts_total[1m])
+
+``drafts``, ``nodes`` and ``accepted`` equal vLLM's
+``vllm:spec_decode_num_drafts`` / ``_num_draft_tokens`` /
+``_num_accepted_tokens`` (the tests check it); the extra information is the
+accepted-depth distribution and the expectation.
+"""
+
+from __future__ import annotations
+
+import time
+
+import prometheus_client
+from vllm.logger import init_logger
+from vllm.v1.metrics.loggers import AggregateStatLoggerBase
+
+from vllm_ddtree.config import ddtree_runtime
+from vllm_ddtree.stats import CounterReader, Snapshot, stats_file
+
+logger = init_logger("vllm.ddtree")
+
+_COUNTERS = (
+    # (name, Snapshot field, documentation)
+    ("vllm:ddtree_num_drafts", "drafts",
+     "DDTree drafts verified: one per request per step with draft nodes."),
+    ("vllm:ddtree_num_tree_drafts", "tree_drafts",
+     "DDTree drafts that were a tree from the drafter (the rest are placeholder drafts)."),
+    ("vllm:ddtree_num_nodes_verified", "nodes", "DDTree draft-tree nodes verified."),
+    ("vllm:ddtree_num_accepted_tokens", "accepted",
+     "DDTree draft nodes accepted by the tree walk (bonus tokens not counted)."),
+    ("vllm:ddtree_expected_accepted_tokens", "expected",
+     "Sum over drafts of the drafter's expected accepted nodes (sum of the "
+     "prefix probabilities of the verified nodes)."),
+)
+
+
+class DDTreeStatLogger(AggregateStatLoggerBase):
+    def __init__(self, vllm_config, engine_indexes: list[int] | None = None):
+        runtime = ddtree_runtime(vllm_config)
+        if runtime is None or not runtime.stats_dir:
+            raise ValueError("DDTreeStatLogger needs speculative_config.ddtree.stats_dir")
+        self.engine_indexes = list(engine_indexes or [0])
+        self.depth = runtime.depth
+        self.readers = {i: CounterReader(stats_file(runtime.stats_dir, i))
+                        for i in self.engine_indexes}
+        self.last = {i: Snapshot() for i in self.engine_indexes}
+        self.logged = {i: Snapshot() for i in self.engine_indexes}
+        self.last_log = time.monotonic()
+
+        labelnames = ["model_name", "engine"]
+        model_name = vllm_config.model_config.served_model_name
+        values = {i: [model_name, str(i)] for i in self.engine_indexes}
+        names = [n for n, _, _ in _COUNTERS] + [
+            "vllm:ddtree_accepted_depth", "vllm:ddtree_acceptance_length",
+            "vllm:ddtree_expected_acceptance_length"]
+        _unregister(names)
+        self.counters = {}
+        for name, attr, doc in _COUNTERS:
+            c = prometheus_client.Counter(name=name, documentation=doc, labelnames=labelnames)
+            self.counters[attr] = {i: c.labels(*values[i]) for i in self.engine_indexes}
+        hist = prometheus_client.Histogram(
+            name="vllm:ddtree_accepted_depth",
+            documentation="DDTree accepted path length (draft nodes) per draft.",
+            labelnames=labelnames, buckets=[float(d) for d in range(self.depth + 1)])
+        self.hist = {i: hist.labels(*values[i]) for i in self.engine_indexes}
+        self.gauges = {}
+        for name, attr, doc in (
+                ("vllm:ddtree_acceptance_length", "acceptance_length",
+                 "DDTree realised mean acceptance length since start (bonus included)."),
+                ("vllm:ddtree_expected_acceptance_length", "expected_acceptance_length",
+                 "The drafter's expected mean acceptance length since start.")):
+            g = prometheus_client.Gauge(name=name, documentation=doc, labelnames=labelnames,
+                                        multiprocess_mode="mostrecent")
+            self.gauges[attr] = {i: g.labels(*values[i]) for i in self.engine_indexes}
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+        reader = self.readers.get(engine_idx)
+        snap = reader.read() if reader is not None else None
+        if snap is None:
+            return
+        delta = snap - self.last[engine_idx]
+        self.last[engine_idx] = snap
+        for attr, children in self.counters.items():
+            inc = getattr(delta, attr)
+            if inc > 0:
+                children[engine_idx].inc(inc)
+        hist = self.hist[engine_idx]
+        for d, count in enumerate(delta.depth_hist):
+            for _ in range(int(count)):
+                hist.observe(float(d))
+        if snap.drafts:
+            for attr, children in self.gauges.items():
+                children[engine_idx].set(getattr(snap, attr))
+
+    def log(self):
+        now = time.monotonic()
+        for i in self.engine_indexes:
+            delta = self.last[i] - self.logged[i]
+            self.logged[i] = self.last[i]
+            if not delta.drafts:
+                continue
+            hist = delta.depth_hist[: self.depth + 1]
+            total = hist.sum()
+            cdf = hist.cumsum() / total
+            median = int((cdf >= 0.5).argmax())
+            p90 = int((cdf >= 0.9).argmax())
+            logger.info(
+                "DDTree metrics (engine %d, last %.0f s): mean acceptance length %.2f "
+                "(drafter expected %.2f), %.1f nodes verified per draft, accepted depth "
+                "median %d / p90 %d, %d drafts (%d trees).",
+                i, now - self.last_log, delta.acceptance_length,
+                delta.expected_acceptance_length, delta.nodes_per_draft, median, p90,
+                int(delta.drafts), int(delta.tree_drafts))
+        self.last_log = now
+
+    def log_engine_initialized(self):
+        pass
+
+
+def _unregister(names: list[str]) -> None:
+    """Drop collectors left by an earlier engine in this process (e.g. a second LLM)."""
+    registry = prometheus_client.REGISTRY
+    for name in names:
+        collector = registry._names_to_collectors.get(name)  # noqa: SLF001
+        if collector is None:
+            collector = registry._names_to_collectors.get(name + "_total")  # noqa: SLF001
+        if collector is not None:
+            registry.unregister(collector)

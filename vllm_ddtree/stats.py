@@ -1,0 +1,189 @@
+"""DDTree's per-engine counters, and the shared file that carries them.
+
+The tree walk runs in the model runner (an engine-core or worker process),
+while ``/metrics`` and the periodic log line live in the front-end process.
+vLLM 0.32 has no channel for a speculative method's own statistics from the
+one to the other (``SchedulerStats`` is decoded field by field, so extra data
+is dropped). DDTree's counters therefore live in a small memory-mapped file
+per engine:
+
+* the front end makes a fresh directory per engine configuration
+  (:func:`new_stats_dir`) and passes its path in ``speculative_config.ddtree``;
+* the runner (tensor-parallel rank 0, last pipeline stage) creates
+  ``engine-<dp rank>.bin`` there and adds one step's numbers at a time
+  (:class:`CounterWriter`);
+* the front end's stat logger maps the same file read-only and turns the
+  cumulative values into Prometheus counters (:class:`CounterReader`).
+
+The file is a float64 array: ``[magic, version, sequence, <fields>, <accepted
+depth histogram>]``. Writes follow a sequence lock (odd while a step is being
+added), so a reader never sees half of a step.
+
+Every value counts "drafts" the way vLLM's ``spec_decode_*`` counters do: one
+per request per step that verified at least one draft node.
+
+* ``steps``: verify steps with at least one draft.
+* ``drafts``: (request, step) pairs with draft nodes.
+* ``tree_drafts``: the drafts that were a tree from the drafter (the rest are
+  vLLM's placeholder drafts for a request's first decode step).
+* ``nodes``: draft nodes verified.
+* ``accepted``: draft nodes accepted (the bonus token is not counted).
+* ``expected``: the drafter's own expectation of ``accepted``: for every tree,
+  the sum over its verified nodes of the drafter's probability of the node's
+  prefix. Realised and expected acceptance length are ``1 + accepted/drafts``
+  and ``1 + expected/drafts``; when the realised one falls well short, the
+  drafter is over-confident on this traffic.
+* ``depth_hist[d]``: drafts whose accepted path had ``d`` nodes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import mmap
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+
+import numpy as np
+
+FIELDS = ("steps", "drafts", "tree_drafts", "nodes", "accepted", "expected")
+HIST_BINS = 64  # accepted depths 0..63; DFlash blocks are at most 32 wide in practice
+_MAGIC = 0x44445453  # "DDTS"
+_VERSION = 1
+_HEADER = 3  # magic, version, sequence
+_SIZE = _HEADER + len(FIELDS) + HIST_BINS
+_NBYTES = _SIZE * 8
+
+
+@dataclass
+class Snapshot:
+    """Cumulative (or, after subtraction, interval) DDTree counters."""
+
+    steps: float = 0.0
+    drafts: float = 0.0
+    tree_drafts: float = 0.0
+    nodes: float = 0.0
+    accepted: float = 0.0
+    expected: float = 0.0
+    depth_hist: np.ndarray = field(default_factory=lambda: np.zeros(HIST_BINS))
+
+    @classmethod
+    def from_array(cls, a: np.ndarray) -> "Snapshot":
+        vals = a[_HEADER:_HEADER + len(FIELDS)]
+        return cls(*(float(v) for v in vals), depth_hist=a[_HEADER + len(FIELDS):].copy())
+
+    def __sub__(self, other: "Snapshot") -> "Snapshot":
+        return Snapshot(*(getattr(self, f) - getattr(other, f) for f in FIELDS),
+                        depth_hist=self.depth_hist - other.depth_hist)
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """Realised mean acceptance length, bonus token included."""
+        return 1.0 + self.accepted / self.drafts if self.drafts else None
+
+    @property
+    def expected_acceptance_length(self) -> float | None:
+        """The drafter's expected acceptance length over the same drafts."""
+        return 1.0 + self.expected / self.drafts if self.drafts else None
+
+    @property
+    def nodes_per_draft(self) -> float | None:
+        return self.nodes / self.drafts if self.drafts else None
+
+
+def new_stats_dir() -> str:
+    """A fresh directory for one engine configuration's counter files.
+
+    It is removed when the creating (front-end) process exits.
+    """
+    path = tempfile.mkdtemp(prefix="vllm-ddtree-stats-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+def stats_file(stats_dir: str, engine_index: int) -> str:
+    return os.path.join(stats_dir, f"engine-{int(engine_index)}.bin")
+
+
+class CounterWriter:
+    """The runner's side: creates the file and adds one step at a time."""
+
+    def __init__(self, path: str):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(np.zeros(_SIZE, dtype="<f8").tobytes())
+        self._fd = os.open(tmp, os.O_RDWR)
+        self._mm = mmap.mmap(self._fd, _NBYTES)
+        self._a = np.frombuffer(self._mm, dtype="<f8")
+        self._a[0], self._a[1] = _MAGIC, _VERSION
+        # A reader maps the file only once it exists with its final size.
+        os.replace(tmp, path)
+        self.path = path
+
+    def add(self, num_nodes, num_accepted, expected, is_tree) -> None:
+        """One verify step: per-draft sequences (requests with >= 1 node only)."""
+        n = np.asarray(num_nodes, dtype=np.float64)
+        if n.size == 0:
+            return
+        acc = np.asarray(num_accepted, dtype=np.int64)
+        if np.any(acc < 0) or np.any(acc > n):
+            raise ValueError("DDTree stats: accepted nodes must be in [0, num_nodes]")
+        hist = np.bincount(np.minimum(acc, HIST_BINS - 1), minlength=HIST_BINS)
+        a = self._a
+        a[2] += 1  # odd: step in progress
+        base = _HEADER
+        a[base + 0] += 1
+        a[base + 1] += n.size
+        a[base + 2] += int(np.count_nonzero(np.asarray(is_tree, dtype=bool)))
+        a[base + 3] += n.sum()
+        a[base + 4] += acc.sum()
+        a[base + 5] += float(np.asarray(expected, dtype=np.float64).sum())
+        a[base + len(FIELDS):] += hist
+        a[2] += 1  # even: consistent
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot.from_array(self._a)
+
+    def close(self) -> None:
+        # Drop the array view first: an mmap with exported buffers cannot close.
+        self._a = None
+        self._mm.close()
+        os.close(self._fd)
+
+
+class CounterReader:
+    """The front end's side: maps the file read-only once it exists."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._a: np.ndarray | None = None
+        self._mm: mmap.mmap | None = None
+
+    def _open(self) -> bool:
+        try:
+            if os.path.getsize(self.path) != _NBYTES:
+                return False
+            with open(self.path, "rb") as f:
+                self._mm = mmap.mmap(f.fileno(), _NBYTES, access=mmap.ACCESS_READ)
+        except OSError:
+            return False
+        a = np.frombuffer(self._mm, dtype="<f8")
+        if a[0] != _MAGIC or a[1] != _VERSION:
+            raise RuntimeError(f"{self.path} is not a DDTree stats file of version {_VERSION}")
+        self._a = a
+        return True
+
+    def read(self, retries: int = 100) -> Snapshot | None:
+        """The current counters, or None while the engine has not created the file."""
+        if self._a is None and not self._open():
+            return None
+        a = self._a
+        for _ in range(retries):
+            seq = a[2]
+            if seq % 2 == 0:
+                snap = Snapshot.from_array(a)
+                if a[2] == seq:
+                    return snap
+            os.sched_yield()
+        raise RuntimeError(f"DDTree stats: {self.path} stayed mid-update")

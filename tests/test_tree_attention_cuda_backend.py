@@ -152,3 +152,28 @@ def test_kv_capture_goes_through_the_stock_cache_write(monkeypatch):
     assert torch.equal(k_view[1, 1:3], key[src_rows])
     assert torch.equal(v_view[1, 1:3], value[src_rows])
     dda.kv_capture.clear()
+
+
+def test_kv_capture_keeps_copies_of_reused_buffers(monkeypatch):
+    """Compiled forwards reuse activation buffers after the cache write; the
+    capture must keep what was written, not a view of the buffer."""
+    monkeypatch.setattr(triton_attn.TritonAttentionImpl, "do_kv_cache_update",
+                        lambda self, layer, key, value, kv_cache, slot_mapping: None)
+    impl = _impl(4, 2, 32)
+    layer = SimpleNamespace(layer_name="layers.0.attn")
+    key, value = torch.randn(6, 2, 32), torch.randn(6, 2, 32)
+    k0, v0 = key.clone(), value.clone()
+    for rows in (None, torch.tensor([4, 1, 5])):
+        dda.kv_capture.start(rows)
+        try:
+            impl.do_kv_cache_update(layer, key, value, None, torch.arange(6))
+        finally:
+            dda.kv_capture.stop()
+        key.fill_(7.0)  # the next kernel of the forward overwrites the buffers
+        value.fill_(7.0)
+        rec = dda.kv_capture.records()[0]
+        want = slice(None) if rows is None else rows
+        assert torch.equal(rec.key, k0[want]) and torch.equal(rec.value, v0[want])
+        key.copy_(k0)
+        value.copy_(v0)
+        dda.kv_capture.clear()

@@ -131,30 +131,35 @@ class KVRecord:
 class KVCapture:
     """Records the fresh K/V each attention layer writes to its cache.
 
-    ``start()`` drops earlier records and begins recording; every
-    ``do_kv_cache_update`` of a ddtree impl then stores references (no copy)
-    to its ``key``/``value``/``kv_cache`` arguments, one record per layer (the
-    latest wins). ``rewrite(src_rows, dst_slots)`` writes ``key[src_rows]`` and
-    ``value[src_rows]`` of every record to ``dst_slots`` through the layer's
-    own ``do_kv_cache_update``, so it works for every cache layout.
+    ``start(rows)`` drops earlier records and begins recording; every
+    ``do_kv_cache_update`` of a ddtree impl then stores a **copy** of
+    ``key[rows]`` and ``value[rows]`` (all rows when ``rows`` is None) with its
+    ``kv_cache``, one record per layer (the latest wins). A copy, because the
+    arguments are activation buffers: under ``torch.compile`` (or CUDA graphs)
+    the next kernels of the same forward reuse their memory.
+    ``rewrite(src, dst_slots)`` writes captured rows ``src`` (indices into
+    ``rows``) of every record to ``dst_slots`` through the layer's own
+    ``do_kv_cache_update``, so it works for every cache layout.
 
     Start and stop it around the target model's verification forward only
-    (the drafter's layers use the same impl classes), rewrite before the next
-    forward pass can reuse those activation buffers, then ``clear()`` to
-    release them.
+    (the drafter's layers use the same impl classes), then ``clear()`` after
+    the rewrite to release the copies.
     """
 
     def __init__(self) -> None:
         self._active = False
         self._rewriting = False
+        self._rows: torch.Tensor | None = None
         self._records: dict[int, KVRecord] = {}
 
     @property
     def active(self) -> bool:
         return self._active
 
-    def start(self) -> None:
+    def start(self, rows: torch.Tensor | None = None) -> None:
+        """Begin recording; ``rows``: the token rows to keep (default: all)."""
         self._records.clear()
+        self._rows = rows
         self._active = True
 
     def stop(self) -> None:
@@ -172,6 +177,11 @@ class KVCapture:
         kv_cache: torch.Tensor,
     ) -> None:
         if self._active and not self._rewriting:
+            rows = self._rows
+            if rows is None:
+                key, value = key.clone(), value.clone()
+            else:
+                key, value = key.index_select(0, rows), value.index_select(0, rows)
             self._records[id(layer)] = KVRecord(impl, layer, key, value, kv_cache)
 
     def records(self) -> list[KVRecord]:
@@ -182,7 +192,8 @@ class KVCapture:
         src_rows: torch.Tensor,
         dst_slots: torch.Tensor | Mapping[str, torch.Tensor],
     ) -> int:
-        """Copy recorded rows ``src_rows`` to cache slots ``dst_slots``.
+        """Copy captured rows ``src_rows`` (indices into the ``rows`` given to
+        :meth:`start`, or token rows when none were) to cache slots ``dst_slots``.
 
         ``dst_slots`` is a slot-mapping tensor (same dtype and meaning as the
         runner's ``slot_mapping``) or a mapping from layer name to one, for

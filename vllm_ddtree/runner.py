@@ -58,6 +58,9 @@ class _TreeStep:
     any_tree: bool
     seq_positions: torch.Tensor | None  # stock sequential positions, if rewritten
     info: TreeAttentionInfo | None
+    # [R * (1+B)] token rows of every request's root and nodes (clamped to the
+    # request), whose fresh K/V are kept for compaction.
+    capture_rows: torch.Tensor | None = None
     from_drafter: torch.Tensor | None = None  # [R] bool: drafts are a tree of ours
     expected: torch.Tensor | None = None  # [R] drafter's expected accepted nodes
     # Filled by _sample:
@@ -123,7 +126,7 @@ class DDTreeRunnerMixin:
         expected = torch.zeros(num_reqs, dtype=torch.float64, device=dev)
         if not rows:
             return _TreeStep(req_ids, num_nodes, parents, from_drafter.clone(), False, None,
-                             None, from_drafter, expected)
+                             None, None, from_drafter, expected)
         tree = pending[1]
         rows_t = torch.tensor(rows, device=dev)
         src_t = torch.tensor(src, device=dev)
@@ -140,7 +143,7 @@ class DDTreeRunnerMixin:
         is_tree = ((parents != ar) & in_sched).any(-1)
         any_tree = bool(is_tree.any()) if dev.type == "cpu" else True
         if not any_tree:
-            return _TreeStep(req_ids, num_nodes, parents, is_tree, False, None, None,
+            return _TreeStep(req_ids, num_nodes, parents, is_tree, False, None, None, None,
                              from_drafter, expected)
 
         total = scheduler_output.total_num_scheduled_tokens
@@ -157,8 +160,11 @@ class DDTreeRunnerMixin:
         anc = ancestor_mask(parents, depth)  # [R, 1+B, W]
         mask = anc[ridx, node]
         info = TreeAttentionInfo.create(mask.contiguous(), is_tree)
+        qs = self.query_start_loc.gpu[:num_reqs].long()
+        ar1 = torch.arange(budget + 1, device=dev)
+        capture_rows = (qs[:, None] + torch.minimum(ar1[None, :], num_nodes[:, None])).flatten()
         return _TreeStep(req_ids, num_nodes, parents, is_tree, True, seq_positions, info,
-                         from_drafter, expected)
+                         capture_rows, from_drafter, expected)
 
     @staticmethod
     def _check_scheduled_tokens(scheduled, req_ids, rows, tree_tokens) -> None:
@@ -187,7 +193,7 @@ class DDTreeRunnerMixin:
         step = self._ddtree_step if self.ddtree is not None else None
         if step is None or not step.any_tree:
             return super()._model_forward(*args, **kwargs)
-        kv_capture.start()
+        kv_capture.start(step.capture_rows)
         try:
             return super()._model_forward(*args, **kwargs)
         finally:
@@ -251,13 +257,16 @@ class DDTreeRunnerMixin:
         if path.device.type == "cpu" and not bool(move.any()):
             kv_capture.clear()
             return
-        # Pairs that do not move rewrite a row onto its own slot (a no-op), which
-        # keeps the shapes static. Source K/V come from the captured fresh tensors,
-        # so the order of the writes does not matter.
+        # Pairs that do not move rewrite the root onto its own slot (a no-op),
+        # which keeps the shapes static. Source K/V come from the captured copies
+        # (request r's node j is capture row r * (1 + B) + j), so the order of
+        # the writes does not matter.
         dst_rows = starts_tok[:, None] + torch.where(move, k[None, :], 0)
-        src_rows = starts_tok[:, None] + torch.where(move, src_node, 0)
+        stride = self.ddtree.budget + 1
+        cap_base = torch.arange(path.shape[0], device=path.device)[:, None] * stride
+        src_cap = cap_base + torch.where(move, src_node, 0)
         slot_mapping = self._ddtree_target_slot_mapping()
-        kv_capture.rewrite(src_rows.flatten(), slot_mapping[dst_rows.flatten()])
+        kv_capture.rewrite(src_cap.flatten(), slot_mapping[dst_rows.flatten()])
         kv_capture.clear()
 
     def _ddtree_target_slot_mapping(self) -> torch.Tensor:

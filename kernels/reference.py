@@ -66,6 +66,9 @@ class TreeAttentionInfo:
     mask: torch.Tensor
     is_tree: torch.Tensor
     tree_reqs: tuple[int, ...] | None = field(default=None)
+    # Per-step derived data that backends share between layers (e.g. the CPU
+    # batched plan), keyed by the backend.
+    plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def create(

@@ -20,8 +20,9 @@ Backends
   tree info its forward is the stock one. With tree info, if some requests are
   not trees the stock C++ op runs on the whole batch first (so non-tree rows
   are bit-identical to stock), then the tree requests' rows are recomputed and
-  overwritten: by the torch reference, or by the Triton kernel in Triton's
-  interpreter when ``VLLM_DDTREE_CPU_ATTN=triton`` (which needs
+  overwritten: in torch, batched over the tree requests
+  (``kernels/tree_attention_cpu.py``, checked against the reference), or by
+  the Triton kernel in Triton's interpreter when ``VLLM_DDTREE_CPU_ATTN=triton`` (which needs
   ``TRITON_INTERPRET=1`` in the environment before the kernel is imported).
   The tree path reads the paged cache through strided views of the "vec"
   layout; when ``speculative_config.ddtree`` is set the metadata builder turns
@@ -56,7 +57,11 @@ from vllm_ddtree.kernels.reference import (
     TreeAttentionInfo,
     split_kv_cache_cpu_vec,
     split_kv_cache_nhd,
-    tree_attention_reference,
+)
+from vllm_ddtree.kernels.tree_attention_cpu import (
+    TreeBatchPlan,
+    plan_tree_batch,
+    tree_attention_batched,
 )
 
 try:  # importable on CPU hosts too; only run on CUDA
@@ -337,6 +342,19 @@ class DDTreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             self._set_isa_to_layers(layer_names)
 
 
+def _step_plan(info: TreeAttentionInfo, attn_metadata, block_size: int) -> TreeBatchPlan:
+    """The step's batched tree plan, built by the first layer and reused by
+    the others (they share the metadata and hence the block table)."""
+    key = (attn_metadata.block_table.data_ptr(), block_size)
+    plan = info.plans.get(key)
+    if plan is None:
+        plan = plan_tree_batch(attn_metadata.query_start_loc, attn_metadata.seq_lens,
+                               attn_metadata.block_table, block_size, info.mask,
+                               info.get_tree_reqs())
+        info.plans[key] = plan
+    return plan
+
+
 class DDTreeCPUAttentionImpl(_TreeAttentionMixin, CPUAttentionBackendImpl):
     def forward(
         self,
@@ -386,12 +404,9 @@ class DDTreeCPUAttentionImpl(_TreeAttentionMixin, CPUAttentionBackendImpl):
                 max_query_len=attn_metadata.max_query_len,
             )  # fmt: skip
         else:
-            tree_attention_reference(
-                query[:n], key_cache, value_cache, attn_metadata.block_table,
-                attn_metadata.query_start_loc, attn_metadata.seq_lens, self.scale,
-                info.mask, info.is_tree, output=output[:n], tree_only=True,
-                tree_reqs=tree_reqs,
-            )  # fmt: skip
+            tree_attention_batched(query[:n], key_cache, value_cache,
+                                   _step_plan(info, attn_metadata, key_cache.shape[1]),
+                                   self.scale, output[:n])
         return output
 
 

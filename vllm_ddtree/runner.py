@@ -225,8 +225,12 @@ class DDTreeRunnerMixin:
                 if r in sm.generators:
                     gens.update({offs + j: sm.generators[r] for j in range(n + 1)})
                 offs += n + 1
-        post_flat = sample_posterior(logits[:, None, :], per_row(temp), per_row(sm.top_k),
-                                     per_row(sm.top_p), None, gens or None)[:, 0]
+        if sm.all_greedy:
+            # What sample_posterior returns for greedy rows, without drawing noise.
+            post_flat = logits.float().argmax(-1)
+        else:
+            post_flat = sample_posterior(logits[:, None, :], per_row(temp), per_row(sm.top_k),
+                                         per_row(sm.top_p), None, gens or None)[:, 0]
 
         # Pad to [R, 1+B] / [R, B] per request.
         starts = torch.cumsum(counts, 0) - counts

@@ -1,8 +1,8 @@
 """Torch reference for tree attention over a paged KV cache.
 
 This module is the test oracle for the Triton kernel in
-``tree_attention.py`` and the CPU runtime path for tree rows. It has no
-vLLM dependency.
+``tree_attention.py`` and for the CPU runtime path in
+``tree_attention_cpu.py``. It has no vLLM dependency.
 
 Semantics (shared with the Triton kernel)
 -----------------------------------------
@@ -216,7 +216,6 @@ def tree_attention_reference(
     is_tree: torch.Tensor | None = None,
     output: torch.Tensor | None = None,
     tree_only: bool = False,
-    tree_reqs: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Attention for a ragged batch with optional tree requests.
 
@@ -233,8 +232,6 @@ def tree_attention_reference(
         output: optional ``[num_tokens, num_q_heads, head_size]`` to write
             into; rows of requests that are not computed are left untouched.
         tree_only: compute only tree requests.
-        tree_reqs: optional host-side indices of the tree requests (saves a
-            ``tolist`` of ``is_tree``).
 
     Returns:
         ``output`` (allocated with ``query``'s dtype when not given).
@@ -256,13 +253,10 @@ def tree_attention_reference(
 
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    if tree_reqs is None:
-        if is_tree is None or tree_mask is None:
-            tree_set: set[int] = set()
-        else:
-            tree_set = {i for i, f in enumerate(is_tree.tolist()) if f}
+    if is_tree is None or tree_mask is None:
+        tree_set: set[int] = set()
     else:
-        tree_set = set(tree_reqs)
+        tree_set = {i for i, f in enumerate(is_tree.tolist()) if f}
     reqs = sorted(tree_set) if tree_only else range(num_reqs)
 
     for r in reqs:

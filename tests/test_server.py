@@ -153,11 +153,7 @@ def test_concurrent_greedy_equals_plain(server, tiny_pair, tmp_path):
 def test_metrics_report_speculation(server):
     _complete(server, "class Stack:\n    def __init__(self):\n")
     text = requests.get(f"{server}/metrics", timeout=30).text
-    vals = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:spec_decode_num_") and "{" in line:
-            name = line.split("{")[0]
-            vals[name] = vals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    vals = _metric_sums(text, "vllm:spec_decode_num_")
     assert vals.get("vllm:spec_decode_num_drafts_total", 0) > 0
     assert vals["vllm:spec_decode_num_draft_tokens_total"] == \
         BUDGET * vals["vllm:spec_decode_num_drafts_total"]

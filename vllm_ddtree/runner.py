@@ -74,6 +74,9 @@ class DDTreeRunnerMixin:
     def __init__(self, vllm_config, device, *args, **kwargs):
         super().__init__(vllm_config, device, *args, **kwargs)
         self.ddtree = ddtree_runtime(vllm_config)
+        self._ddtree_stats: CounterWriter | None = None
+        # The last walked step's counts, added to the stats after the drafter ran.
+        self._ddtree_unrecorded: tuple[torch.Tensor, ...] | None = None
         if self.ddtree is None:
             return
         if self.uses_mrope:
@@ -86,7 +89,6 @@ class DDTreeRunnerMixin:
         self._ddtree_pending: tuple[list[str], Any] | None = None
         self._ddtree_single_group_checked = False
         self._ddtree_stats = self._ddtree_open_stats()
-        self._ddtree_unrecorded: tuple[torch.Tensor, ...] | None = None
         logger.info("DDTree: tree budget %d, drafter depth %d (block size %d)",
                     self.ddtree.budget, self.ddtree.depth, self.ddtree.block_size)
 
@@ -136,9 +138,10 @@ class DDTreeRunnerMixin:
             self._check_scheduled_tokens(scheduled, req_ids, rows, tree.tokens[src_t])
         in_sched = ar[None, :] < num_nodes[:, None]
         from_drafter[rows_t] = True
-        # The drafter's expected number of accepted nodes: the sum, over the
-        # scheduled nodes, of the probability of each node's prefix.
-        expected[rows_t] = (tree.logq[src_t].double().exp() * in_sched[rows_t]).sum(-1)
+        if self._ddtree_stats is not None:
+            # The drafter's expected number of accepted nodes: the sum, over the
+            # scheduled nodes, of the probability of each node's prefix.
+            expected[rows_t] = (tree.logq[src_t].double().exp() * in_sched[rows_t]).sum(-1)
         # A chain-shaped (prefix of the) tree is plain causal attention.
         is_tree = ((parents != ar) & in_sched).any(-1)
         any_tree = bool(is_tree.any()) if dev.type == "cpu" else True
@@ -210,27 +213,13 @@ class DDTreeRunnerMixin:
         num_reqs = len(md.num_draft_tokens)
         dev = logits.device
         counts = torch.tensor([n + 1 for n in md.num_draft_tokens], device=dev)
-        rows = logits.shape[0]
 
         # The target's token at every node, from the request's own distribution.
-        def per_row(t):
-            return None if t is None else torch.repeat_interleave(t[:num_reqs], counts,
-                                                                  output_size=rows)
-        temp = sm.temperature
-        temp = torch.zeros(num_reqs, device=dev) if temp is None or sm.all_greedy else temp
-        gens = {}
-        if sm.generators:
-            offs = 0
-            for r, n in enumerate(md.num_draft_tokens):
-                if r in sm.generators:
-                    gens.update({offs + j: sm.generators[r] for j in range(n + 1)})
-                offs += n + 1
         if sm.all_greedy:
             # What sample_posterior returns for greedy rows, without drawing noise.
             post_flat = logits.float().argmax(-1)
         else:
-            post_flat = sample_posterior(logits[:, None, :], per_row(temp), per_row(sm.top_k),
-                                         per_row(sm.top_p), None, gens or None)[:, 0]
+            post_flat = self._ddtree_sample_nodes(logits, md, sm, counts)
 
         # Pad to [R, 1+B] / [R, B] per request.
         starts = torch.cumsum(counts, 0) - counts
@@ -250,6 +239,27 @@ class DDTreeRunnerMixin:
             self._compact_kv(step, starts_tok=self.query_start_loc.gpu[:num_reqs].long())
         out = res.output_tokens[:, : md.max_spec_len + 1].to(torch.int32)
         return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
+
+    @staticmethod
+    def _ddtree_sample_nodes(logits, md, sm, counts) -> torch.Tensor:
+        """One draw per node row from its request's processed distribution."""
+        num_reqs, rows = len(md.num_draft_tokens), logits.shape[0]
+
+        def per_row(t):
+            return None if t is None else torch.repeat_interleave(t[:num_reqs], counts,
+                                                                  output_size=rows)
+        temp = sm.temperature
+        if temp is None:
+            temp = torch.zeros(num_reqs, device=logits.device)
+        gens = {}
+        if sm.generators:
+            offs = 0
+            for r, n in enumerate(md.num_draft_tokens):
+                if r in sm.generators:
+                    gens.update({offs + j: sm.generators[r] for j in range(n + 1)})
+                offs += n + 1
+        return sample_posterior(logits[:, None, :], per_row(temp), per_row(sm.top_k),
+                                per_row(sm.top_p), None, gens or None)[:, 0]
 
     def _compact_kv(self, step: _TreeStep, starts_tok: torch.Tensor) -> None:
         """Move the accepted nodes' K/V from slot(p0 + path[k]) to slot(p0 + k)."""
@@ -324,7 +334,7 @@ class DDTreeRunnerMixin:
     def _ddtree_flush_stats(self) -> None:
         """Add the last walked step to the counters (host sync deferred until
         after the drafter has been launched)."""
-        pending, self._ddtree_unrecorded = getattr(self, "_ddtree_unrecorded", None), None
+        pending, self._ddtree_unrecorded = self._ddtree_unrecorded, None
         if pending is None:
             return
         n, a, expected, from_drafter = pending

@@ -52,7 +52,9 @@ HIST_BINS = 64  # accepted depths 0..63; DFlash blocks are at most 32 wide in pr
 _MAGIC = 0x44445453  # "DDTS"
 _VERSION = 1
 _HEADER = 3  # magic, version, sequence
-_SIZE = _HEADER + len(FIELDS) + HIST_BINS
+_OFFSET = {f: _HEADER + i for i, f in enumerate(FIELDS)}
+_HIST = _HEADER + len(FIELDS)
+_SIZE = _HIST + HIST_BINS
 _NBYTES = _SIZE * 8
 
 
@@ -70,8 +72,7 @@ class Snapshot:
 
     @classmethod
     def from_array(cls, a: np.ndarray) -> "Snapshot":
-        vals = a[_HEADER:_HEADER + len(FIELDS)]
-        return cls(*(float(v) for v in vals), depth_hist=a[_HEADER + len(FIELDS):].copy())
+        return cls(**{f: float(a[i]) for f, i in _OFFSET.items()}, depth_hist=a[_HIST:].copy())
 
     def __sub__(self, other: "Snapshot") -> "Snapshot":
         return Snapshot(*(getattr(self, f) - getattr(other, f) for f in FIELDS),
@@ -130,16 +131,15 @@ class CounterWriter:
         if np.any(acc < 0) or np.any(acc > n):
             raise ValueError("DDTree stats: accepted nodes must be in [0, num_nodes]")
         hist = np.bincount(np.minimum(acc, HIST_BINS - 1), minlength=HIST_BINS)
+        inc = {"steps": 1, "drafts": n.size,
+               "tree_drafts": np.count_nonzero(np.asarray(is_tree, dtype=bool)),
+               "nodes": n.sum(), "accepted": acc.sum(),
+               "expected": np.asarray(expected, dtype=np.float64).sum()}
         a = self._a
         a[2] += 1  # odd: step in progress
-        base = _HEADER
-        a[base + 0] += 1
-        a[base + 1] += n.size
-        a[base + 2] += int(np.count_nonzero(np.asarray(is_tree, dtype=bool)))
-        a[base + 3] += n.sum()
-        a[base + 4] += acc.sum()
-        a[base + 5] += float(np.asarray(expected, dtype=np.float64).sum())
-        a[base + len(FIELDS):] += hist
+        for f, v in inc.items():
+            a[_OFFSET[f]] += v
+        a[_HIST:] += hist
         a[2] += 1  # even: consistent
 
     def snapshot(self) -> Snapshot:

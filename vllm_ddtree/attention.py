@@ -22,8 +22,9 @@ Backends
   are bit-identical to stock), then the tree requests' rows are recomputed and
   overwritten: in torch, batched over the tree requests
   (``kernels/tree_attention_cpu.py``, checked against the reference), or by
-  the Triton kernel in Triton's interpreter when ``VLLM_DDTREE_CPU_ATTN=triton`` (which needs
-  ``TRITON_INTERPRET=1`` in the environment before the kernel is imported).
+  the Triton kernel in Triton's interpreter when
+  ``VLLM_DDTREE_CPU_ATTN=triton`` (which needs ``TRITON_INTERPRET=1`` in the
+  environment before the kernel is imported).
   The tree path reads the paged cache through strided views of the "vec"
   layout; when ``speculative_config.ddtree`` is set the metadata builder turns
   the AMX layout (bf16 on AMX CPUs) into "vec".

@@ -1,21 +1,16 @@
 """Tree-attention kernels for DDTree verification (no vLLM imports).
 
-``reference`` holds the torch reference, the ``TreeAttentionInfo`` contract and
-the KV-cache view helpers; ``tree_attention`` holds the Triton kernel. The
-Triton module is imported lazily (attribute ``tree_attention``) because
+``reference`` holds the torch reference (the test oracle), ``cache_layout``
+the strided K/V views of vLLM's paged cache, ``tree_attention_cpu`` the
+batched torch path used on CPU, and ``tree_attention`` the Triton kernel.
+The Triton module is imported lazily (attribute ``tree_attention``) because
 whether it runs in Triton's interpreter is fixed when it is imported.
 """
 
-from vllm_ddtree.kernels.reference import (
-    TreeAttentionInfo,
-    split_kv_cache_cpu_vec,
-    split_kv_cache_nhd,
-    tree_attention_reference,
-    unpack_tree_mask,
-)
+from vllm_ddtree.kernels.cache_layout import split_kv_cache_cpu_vec, split_kv_cache_nhd
+from vllm_ddtree.kernels.reference import tree_attention_reference, unpack_tree_mask
 
 __all__ = [
-    "TreeAttentionInfo",
     "split_kv_cache_cpu_vec",
     "split_kv_cache_nhd",
     "tree_attention_reference",

@@ -31,7 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["INTERPRETED", "tree_attention", "select_tile_sizes", "kernel_constexprs"]
+__all__ = [
+    "INTERPRETED",
+    "check_tree_attention_args",
+    "kernel_constexprs",
+    "select_tile_sizes",
+    "tree_attention",
+]
 
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
 
@@ -341,7 +347,7 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def tree_attention(
+def check_tree_attention_args(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -354,14 +360,12 @@ def tree_attention(
     output: torch.Tensor | None = None,
     tree_only: bool = False,
     max_query_len: int | None = None,
-) -> torch.Tensor:
-    """Launch the tree-attention kernel (no host sync, no autotuning).
+) -> None:
+    """Raise ``ValueError`` naming the first argument of a
+    :func:`tree_attention` launch that is malformed.
 
-    Arguments are those of ``tree_attention_reference``; ``key_cache`` and
-    ``value_cache`` are ``[num_blocks, block_size, num_kv_heads, head_size]``
-    views with any strides. ``max_query_len`` (a host int, optional) only picks
-    a smaller query tile for decode-like batches. With ``tree_only`` the
-    kernel writes the rows of tree requests only.
+    The launcher itself does not check (it runs for every layer of every
+    step); tests and callers that build arguments by hand call this first.
     """
     _check(
         query.dtype in _SUPPORTED_DTYPES,
@@ -392,7 +396,7 @@ def tree_attention(
         f"value_cache: shape {tuple(value_cache.shape)} differs from key_cache "
         f"{tuple(key_cache.shape)}",
     )
-    _, page_size, num_kv_heads, cache_head_size = key_cache.shape
+    num_kv_heads, cache_head_size = key_cache.shape[2:]
     _check(
         cache_head_size == head_size,
         f"key_cache: head_size {cache_head_size} differs from query head_size "
@@ -462,20 +466,10 @@ def tree_attention(
                 f"tree_mask: {tree_mask.shape[1]} words cannot hold a tree of "
                 f"{max_query_len} nodes",
             )
-        mask_arg = tree_mask
-        is_tree_arg = is_tree.view(torch.uint8)
-        stride_m_t, stride_m_w = tree_mask.stride()
-        mask_words = tree_mask.shape[1]
     else:
         _check(not tree_only, "tree_only requires tree_mask and is_tree")
-        mask_arg = query_start_loc
-        is_tree_arg = query_start_loc
-        stride_m_t = stride_m_w = 0
-        mask_words = 0
 
-    if output is None:
-        output = torch.empty_like(query)
-    else:
+    if output is not None:
         _check(
             output.shape == query.shape and output.dtype == query.dtype,
             f"output: expected {query.dtype} {tuple(query.shape)}, got "
@@ -489,6 +483,45 @@ def tree_attention(
             "TRITON_INTERPRET=1 before vllm_ddtree.kernels.tree_attention is "
             "imported",
         )
+
+
+def tree_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    tree_mask: torch.Tensor | None = None,
+    is_tree: torch.Tensor | None = None,
+    output: torch.Tensor | None = None,
+    tree_only: bool = False,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Launch the tree-attention kernel (no host sync, no autotuning, no
+    argument checks: see :func:`check_tree_attention_args`).
+
+    Arguments are those of ``tree_attention_reference``; ``key_cache`` and
+    ``value_cache`` are ``[num_blocks, block_size, num_kv_heads, head_size]``
+    views with any strides. ``max_query_len`` (a host int, optional) only picks
+    a smaller query tile for decode-like batches. With ``tree_only`` the
+    kernel writes the rows of tree requests only.
+    """
+    num_tokens, num_q_heads, head_size = query.shape
+    num_reqs = seq_lens.shape[0]
+    _, page_size, num_kv_heads, _ = key_cache.shape
+    has_tree = tree_mask is not None
+    if has_tree:
+        mask_arg = tree_mask
+        is_tree_arg = is_tree.view(torch.uint8)
+        stride_m_t, stride_m_w = tree_mask.stride()
+        mask_words = tree_mask.shape[1]
+    else:
+        mask_arg = is_tree_arg = query_start_loc
+        stride_m_t = stride_m_w = mask_words = 0
+    if output is None:
+        output = torch.empty_like(query)
 
     consts = kernel_constexprs(
         query.dtype,

@@ -16,6 +16,8 @@ from typing import Any, Callable
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from vllm_ddtree.version import ALLOW_ENV, version_override_allowed
+
 
 class PatchError(RuntimeError):
     pass
@@ -52,10 +54,17 @@ class Patch:
         return owner, attr
 
     def check_version(self, version: str | Version) -> None:
-        if not SpecifierSet(self.vllm_versions).contains(Version(str(version)), prereleases=True):
-            raise PatchError(
-                f"patch {self.name} targets {self.target} as of vLLM {self.vllm_versions}; "
-                f"refusing to apply it to vLLM {version}")
+        """Refuse another vLLM version, unless the user set
+        ``VLLM_DDTREE_ALLOW_ANY_VLLM=1`` (the plugin then logs one warning for
+        all patches, see ``vllm_ddtree/version.py``)."""
+        if SpecifierSet(self.vllm_versions).contains(Version(str(version)), prereleases=True):
+            return
+        if version_override_allowed():
+            return
+        raise PatchError(
+            f"patch {self.name} targets {self.target} as of vLLM {self.vllm_versions}; "
+            f"refusing to apply it to vLLM {version}. Install a supported vLLM, or set "
+            f"{ALLOW_ENV}=1 to load anyway at your own risk.")
 
     def apply(self, vllm_version: str | Version) -> None:
         if self.applied:

@@ -38,6 +38,14 @@ def unsupported_reason(params) -> tuple[str, str] | None:
     if params.logprobs is not None:
         return ("logprobs", "logprobs of generated tokens are not supported with DDTree "
                             "speculative decoding yet (prompt_logprobs are)")
+    if params.logprob_token_ids:
+        return ("logprob_token_ids", "logprob_token_ids of generated tokens are not supported "
+                                     "with DDTree speculative decoding yet")
+    if params.thinking_token_budget is not None:
+        return ("thinking_token_budget",
+                "thinking_token_budget is not supported with DDTree speculative decoding yet "
+                "(vLLM enforces it inside the rejection sampler, which the tree walk replaces); "
+                "send the request without it or serve with method 'dflash'")
     return None
 
 

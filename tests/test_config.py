@@ -120,6 +120,8 @@ def test_async_scheduling_refused(tiny_pair):
     ({"presence_penalty": -0.5}, "presence_penalty"),
     ({"logprobs": 2}, "logprobs"),
     ({"min_tokens": 3}, "min_tokens"),
+    ({"logprob_token_ids": [1, 2]}, "logprob_token_ids"),
+    ({"thinking_token_budget": 8}, "thinking_token_budget"),
 ])
 def test_unsupported_request_params(tiny_pair, kwargs, field):
     from vllm import SamplingParams

@@ -25,11 +25,10 @@ from vllm.v1.attention.backends.cpu_attn import (  # noqa: E402
 )
 
 from vllm_ddtree import attention as dda  # noqa: E402
-from vllm_ddtree.kernels.reference import (  # noqa: E402
-    TreeAttentionInfo,
-    split_kv_cache_cpu_vec,
-    tree_attention_reference,
-)
+from vllm_ddtree.compaction import kv_capture  # noqa: E402
+from vllm_ddtree.kernels.cache_layout import split_kv_cache_cpu_vec  # noqa: E402
+from vllm_ddtree.kernels.reference import tree_attention_reference  # noqa: E402
+from vllm_ddtree.tree_info import TreeAttentionInfo  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -288,16 +287,21 @@ def test_kv_capture_rewrites_path_into_contiguous_slots():
     assert not torch.equal(steps[0].key, steps[1].key)
     steps[1].layer.layer_name = "layers.1.attn"
 
-    cap = dda.kv_capture
-    cap.start()
+    cap = kv_capture
+    names = ["layers.0.attn", "layers.1.attn"]
+    cap.start(torch.arange(steps[0].num_tokens), names + ["layers.2.attn"])
     try:
         for st in steps:
             st.impl.do_kv_cache_update(st.layer, st.key, st.value, st.kv_cache,
                                        st.slot_mapping)  # fmt: skip
+            st.run(st.impl, tree=True)  # the tree path reports itself
     finally:
         cap.stop()
     assert len(cap.records()) == 2
-    assert [r.layer_name for r in cap.records()] == ["layers.0.attn", "layers.1.attn"]
+    assert [r.layer.layer_name for r in cap.records()] == names
+    # a target layer that neither wrote nor applied its mask is named
+    assert cap.missing_layers() == {"kv_capture": ["layers.2.attn"],
+                                    "tree_mask": ["layers.2.attn"]}
     # writes while stopped are not recorded
     steps[0].impl.do_kv_cache_update(steps[0].layer, steps[0].key, steps[0].value,
                                      steps[0].kv_cache, steps[0].slot_mapping)  # fmt: skip
@@ -322,9 +326,6 @@ def test_kv_capture_rewrites_path_into_contiguous_slots():
         changed = (k_view != k_before).flatten(2).any(-1) | (v_view != v_before).flatten(2).any(-1)
         moved = set(zip(*[t.tolist() for t in torch.nonzero(changed, as_tuple=True)]))
         assert moved <= set(zip(blk.tolist(), off.tolist()))
-    # per-layer slot mappings
-    assert cap.rewrite(src_rows[:1], {"layers.0.attn": dst_slots[:1],
-                                      "layers.1.attn": dst_slots[:1]}) == 2  # fmt: skip
     cap.clear()
     assert cap.records() == []
     assert cap.rewrite(src_rows, dst_slots) == 0

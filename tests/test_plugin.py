@@ -105,3 +105,49 @@ def test_every_patch_names_a_real_target_and_this_version():
         p.check_version(version)
         p._resolve()  # raises if the target is gone
         assert p.why and p.upstream
+
+
+def test_patch_applies_other_versions_with_the_escape_hatch(monkeypatch):
+    import vllm_ddtree.version as v
+
+    monkeypatch.setenv(ALLOW_ENV, "1")
+    p = _fake_target_patch()
+    original = v.supported_specs
+    p.apply("0.33.0")
+    try:
+        assert p.applied and v.supported_specs() == "patched"
+    finally:
+        p.revert()
+    assert v.supported_specs is original
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+def test_escape_hatch_end_to_end(monkeypatch, allowed):
+    """register() on a mismatched vLLM: the documented error, or, with the
+    escape hatch, every patch applied and exactly one warning."""
+    real = installed_vllm()[1]
+    fake = ("vllm", Version("0.33.1"))
+    monkeypatch.setattr("vllm_ddtree.version.installed_vllm", lambda: fake)
+    monkeypatch.setattr(plugin, "_registered", False)
+    patches = [p for p in all_patches() if p.when()]
+    for p in patches:  # as in a fresh process
+        p.revert()
+    warnings = []
+    monkeypatch.setattr(plugin.logger, "warning", lambda *a: warnings.append(a))
+    if not allowed:
+        monkeypatch.delenv(ALLOW_ENV, raising=False)
+        with pytest.raises(UnsupportedVLLMVersion, match=ALLOW_ENV):
+            plugin.register()
+        assert not any(p.applied for p in patches)
+        for p in patches:
+            p.apply(real)
+        return
+    monkeypatch.setenv(ALLOW_ENV, "1")
+    try:
+        plugin.register()
+        assert all(p.applied for p in patches)
+        assert len(warnings) == 1 and "0.33.1" in str(warnings[0])
+    finally:
+        for p in patches:  # back to this process's state
+            p.revert()
+            p.apply(real)

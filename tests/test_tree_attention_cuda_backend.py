@@ -24,12 +24,11 @@ from vllm.v1.attention.backends import triton_attn  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
 from vllm_ddtree import attention as dda  # noqa: E402
+from vllm_ddtree.compaction import kv_capture  # noqa: E402
 from vllm_ddtree.kernels import tree_attention as ta  # noqa: E402
-from vllm_ddtree.kernels.reference import (  # noqa: E402
-    TreeAttentionInfo,
-    split_kv_cache_nhd,
-    tree_attention_reference,
-)
+from vllm_ddtree.kernels.cache_layout import split_kv_cache_nhd  # noqa: E402
+from vllm_ddtree.kernels.reference import tree_attention_reference  # noqa: E402
+from vllm_ddtree.tree_info import TreeAttentionInfo  # noqa: E402
 
 if not torch.cuda.is_available() and not ta.INTERPRETED:
     pytest.skip("kernel imported without TRITON_INTERPRET=1", allow_module_level=True)
@@ -99,7 +98,7 @@ def test_forward_dispatch(monkeypatch):
     reqs = [Req(20, 6, _tree(6, 0)), Req(17, 1), Req(0, 9, _tree(9, 1)), Req(3, 4)]
     batch = build_batch(reqs, 8, 2, 32, 16, torch.float32, "nhd", DEVICE, pad_tokens=2)
     impl = _impl(8, 2, 32)
-    layer = SimpleNamespace()
+    layer = SimpleNamespace(layer_name="layers.0.attn")
     key = value = torch.empty(0)
 
     out = torch.zeros_like(batch.query)
@@ -139,19 +138,22 @@ def test_kv_capture_goes_through_the_stock_cache_write(monkeypatch):
     key, value = torch.randn(6, 2, 32), torch.randn(6, 2, 32)
     slots = torch.arange(16, 22)
 
-    dda.kv_capture.start()
+    kv_capture.start(torch.arange(6), ["layers.0.attn"])
     try:
         impl.do_kv_cache_update(layer, key, value, kv_cache, slots)
+        # the drafter's layers share the impl class; their writes are not kept
+        impl.do_kv_cache_update(SimpleNamespace(layer_name="draft.attn"), key, value,
+                                kv_cache, slots)
     finally:
-        dda.kv_capture.stop()
-    assert len(writes) == 1 and len(dda.kv_capture.records()) == 1
+        kv_capture.stop()
+    assert len(writes) == 2 and len(kv_capture.records()) == 1
     src_rows = torch.tensor([3, 5])
     dst = torch.tensor([17, 18])
-    assert dda.kv_capture.rewrite(src_rows, dst) == 1
+    assert kv_capture.rewrite(src_rows, dst) == 1
     k_view, v_view = split_kv_cache_nhd(kv_cache)
     assert torch.equal(k_view[1, 1:3], key[src_rows])
     assert torch.equal(v_view[1, 1:3], value[src_rows])
-    dda.kv_capture.clear()
+    kv_capture.clear()
 
 
 def test_kv_capture_keeps_copies_of_reused_buffers(monkeypatch):
@@ -163,17 +165,17 @@ def test_kv_capture_keeps_copies_of_reused_buffers(monkeypatch):
     layer = SimpleNamespace(layer_name="layers.0.attn")
     key, value = torch.randn(6, 2, 32), torch.randn(6, 2, 32)
     k0, v0 = key.clone(), value.clone()
-    for rows in (None, torch.tensor([4, 1, 5])):
-        dda.kv_capture.start(rows)
+    for rows in (torch.arange(6), torch.tensor([4, 1, 5])):
+        kv_capture.start(rows, ["layers.0.attn"])
         try:
             impl.do_kv_cache_update(layer, key, value, None, torch.arange(6))
         finally:
-            dda.kv_capture.stop()
+            kv_capture.stop()
         key.fill_(7.0)  # the next kernel of the forward overwrites the buffers
         value.fill_(7.0)
-        rec = dda.kv_capture.records()[0]
-        want = slice(None) if rows is None else rows
+        rec = kv_capture.records()[0]
+        want = rows
         assert torch.equal(rec.key, k0[want]) and torch.equal(rec.value, v0[want])
         key.copy_(k0)
         value.copy_(v0)
-        dda.kv_capture.clear()
+        kv_capture.clear()

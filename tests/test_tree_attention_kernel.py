@@ -44,6 +44,7 @@ def _tree(n, seed, shape="random"):
 
 
 def _run_both(batch, **kw):
+    ta.check_tree_attention_args(*batch.args(), max_query_len=batch.max_query_len, **kw)
     out_k = ta.tree_attention(*batch.args(), max_query_len=batch.max_query_len, **kw)
     out_r = tree_attention_reference(*batch.args(), **kw)
     return out_k, out_r
@@ -209,23 +210,24 @@ def test_mask_rows_of_causal_requests_are_ignored():
     assert torch.equal(out1, out2)
 
 
-def test_launcher_rejects_bad_arguments():
+def test_validator_rejects_bad_arguments():
     batch = build_batch([Req(4, 3, _tree(3, 0))], 4, 2, 32, 16, torch.float32, "nhd", DEVICE)
     args = list(batch.args())
     with pytest.raises(ValueError, match="key_cache"):
-        ta.tree_attention(args[0], args[1].half(), *args[2:])
+        ta.check_tree_attention_args(args[0], args[1].half(), *args[2:])
     with pytest.raises(ValueError, match="tree_mask"):
-        ta.tree_attention(*args[:7], args[7].long(), args[8])
+        ta.check_tree_attention_args(*args[:7], args[7].long(), args[8])
     with pytest.raises(ValueError, match="is_tree"):
-        ta.tree_attention(*args[:8], args[8].int())
+        ta.check_tree_attention_args(*args[:8], args[8].int())
     with pytest.raises(ValueError, match="num_q_heads"):
-        ta.tree_attention(args[0][:, :3].contiguous(), *args[1:])
+        ta.check_tree_attention_args(args[0][:, :3].contiguous(), *args[1:])
     with pytest.raises(ValueError, match="query_start_loc"):
-        ta.tree_attention(*args[:4], args[4][:-1], *args[5:])
+        ta.check_tree_attention_args(*args[:4], args[4][:-1], *args[5:])
     with pytest.raises(ValueError, match="tree_mask"):
-        ta.tree_attention(*args, max_query_len=33)
+        ta.check_tree_attention_args(*args, max_query_len=33)
     with pytest.raises(ValueError, match="query"):
-        ta.tree_attention(args[0].double(), *args[1:])
+        ta.check_tree_attention_args(args[0].double(), *args[1:])
+    ta.check_tree_attention_args(*args, max_query_len=batch.max_query_len)  # well-formed
 
 
 def test_reference_rejects_short_masks():

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_ddtree.kernels.reference import split_kv_cache_cpu_vec, split_kv_cache_nhd
+from vllm_ddtree.kernels.cache_layout import split_kv_cache_cpu_vec, split_kv_cache_nhd
 
 LAYOUTS = ("nhd", "cpu_vec")
 

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_ddtree.tree import ancestor_mask, build_tree, compaction_pairs, walk
+from vllm_ddtree.compaction import compaction_moves
+from vllm_ddtree.tree import ancestor_mask, build_tree, walk
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -168,33 +169,37 @@ def test_walk_ignores_invalid_tail_of_built_trees():
         assert all(p <= int(tree.valid[r].sum()) for p in path)
 
 
-@pytest.mark.parametrize("B", [1, 9, 40])
-def test_compaction_pairs(B):
+@pytest.mark.parametrize("B,depth", [(1, 1), (9, 4), (40, 40), (40, 6)])
+def test_compaction_moves(B, depth):
     rng = np.random.default_rng(7 + B)
     b = 20
     tokens, parents, _ = random_batch(rng, b, B, V=4)
     post = torch.tensor(np.stack([matching_post(rng, tokens[r].numpy(), parents[r].numpy(), 0.8, 4) for r in range(b)]))
     res = walk(tokens, parents, post)
-    pairs = compaction_pairs(res)
-    assert pairs.dst.tolist() == list(range(1, B + 1))
+    is_tree = torch.ones(b, dtype=torch.bool)
+    is_tree[3] = False  # a request verified as a chain never moves
+    moves = compaction_moves(res.path, res.num_accepted, is_tree, depth)
+    D = min(depth, B)
+    assert moves.move.shape == moves.src_node.shape == (b, D)
     saw_copy = saw_in_place = False
     for r in range(b):
-        a = res.num_accepted[r].item()
+        a = min(res.num_accepted[r].item(), D)
         path = res.path[r].tolist()
-        assert pairs.mask[r].tolist() == [k <= a for k in range(1, B + 1)]
-        for k in range(1, B + 1):
-            if k <= a:
-                assert pairs.src[r, k - 1].item() == path[k] >= k
-                assert pairs.needs_copy[r, k - 1].item() == (path[k] != k)
+        for k in range(1, D + 1):
+            want = r != 3 and k <= a and path[k] != k
+            assert moves.move[r, k - 1].item() == want
+            assert moves.src_node[r, k - 1].item() == (path[k] if want else k)
+            if k <= a and r != 3:
+                assert path[k] >= k
                 saw_copy |= path[k] != k
                 saw_in_place |= path[k] == k
-            else:
-                assert pairs.src[r, k - 1].item() == k and not pairs.needs_copy[r, k - 1].item()
+        if r == 3:
+            continue
         # Applying the copies in ascending k, in place, lays the path out in depth slots.
         kv = list(range(B + 1))
-        for k in range(1, B + 1):
-            if pairs.needs_copy[r, k - 1]:
-                kv[k] = kv[pairs.src[r, k - 1].item()]
+        for k in range(1, D + 1):
+            if moves.move[r, k - 1]:
+                kv[k] = kv[moves.src_node[r, k - 1].item()]
         assert kv[: a + 1] == path[: a + 1]
     assert saw_in_place and (saw_copy or B == 1)
 

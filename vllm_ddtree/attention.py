@@ -3,15 +3,12 @@
 Contract with the model runner
 ------------------------------
 For a verification step the runner attaches a
-:class:`~vllm_ddtree.kernels.reference.TreeAttentionInfo` to the target
-model's per-layer attention metadata object::
-
-    attn_metadata.ddtree = TreeAttentionInfo.create(mask, is_tree)
-
-``mask`` is int32 ``[num_tokens, W]`` (one row per query token, little-endian
-packed ancestor bits over the request's own query span) and ``is_tree`` is bool
-``[num_reqs]``. A missing or ``None`` ``ddtree`` attribute means "no tree in
-this step", and then every backend here behaves exactly like stock vLLM.
+:class:`~vllm_ddtree.tree_info.TreeAttentionInfo` to the target model's
+per-layer attention metadata object (``attn_metadata.ddtree``, see
+``vllm_ddtree/round.py``). A missing or ``None`` ``ddtree`` attribute means
+"no tree in this step", and then every backend here behaves exactly like
+stock vLLM. Every impl here derives from :class:`TreeAttentionImplMixin`,
+which is what the runner's start-up guard looks for on each target layer.
 
 Backends
 --------
@@ -32,16 +29,16 @@ Backends
   ``TRITON_ATTN`` whose forward runs the Triton tree kernel on the whole batch
   when tree info is present and the stock kernel otherwise.
 
-Both impls record the K/V handed to ``do_kv_cache_update`` while
-:data:`kv_capture` is started, so the runner can later rewrite accepted nodes'
-K/V into contiguous slots with the same cache-write code (any cache layout).
+Both impls hand the K/V given to ``do_kv_cache_update`` to
+:data:`~vllm_ddtree.compaction.kv_capture` and report each forward that
+applied a tree mask, so the round can compact accepted nodes' K/V with the
+same cache-write code (any cache layout) and prove every target layer took
+the tree path.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -54,16 +51,15 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-from vllm_ddtree.kernels.reference import (
-    TreeAttentionInfo,
-    split_kv_cache_cpu_vec,
-    split_kv_cache_nhd,
-)
+from vllm_ddtree.compaction import kv_capture
+from vllm_ddtree.config import ddtree_runtime
+from vllm_ddtree.kernels.cache_layout import split_kv_cache_cpu_vec, split_kv_cache_nhd
 from vllm_ddtree.kernels.tree_attention_cpu import (
     TreeBatchPlan,
     plan_tree_batch,
     tree_attention_batched,
 )
+from vllm_ddtree.tree_info import TreeAttentionInfo, get_tree_info
 
 try:  # importable on CPU hosts too; only run on CUDA
     from vllm.v1.attention.backends.triton_attn import (
@@ -83,11 +79,7 @@ __all__ = [
     "CPU_BACKEND_PATH",
     "CUDA_BACKEND_NAME",
     "CUDA_BACKEND_PATH",
-    "TreeAttentionInfo",
-    "KVCapture",
-    "KVRecord",
-    "kv_capture",
-    "get_tree_info",
+    "TreeAttentionImplMixin",
     "register_backends",
     "tree_cpu_isa",
     "DDTreeCPUAttentionBackend",
@@ -102,180 +94,56 @@ CUDA_BACKEND_PATH = "vllm_ddtree.attention.DDTreeTritonAttentionBackend"
 CPU_TREE_ISAS = ("vec", "vec16")
 
 
-def get_tree_info(attn_metadata: Any) -> TreeAttentionInfo | None:
-    """The step's tree description, or None (no metadata, no tree)."""
-    if attn_metadata is None:
-        return None
-    return getattr(attn_metadata, "ddtree", None)
-
-
-def _ddtree_enabled(vllm_config: Any) -> bool:
-    spec = getattr(vllm_config, "speculative_config", None)
-    return getattr(spec, "ddtree", None) is not None
-
-
-# ---------------------------------------------------------------------------
-# KV capture for compaction
-# ---------------------------------------------------------------------------
-
-
-@dataclass
-class KVRecord:
-    """One layer's cache write: the arguments of ``do_kv_cache_update``."""
-
-    impl: Any
-    layer: Any
-    key: torch.Tensor
-    value: torch.Tensor
-    kv_cache: torch.Tensor
-
-    @property
-    def layer_name(self) -> str | None:
-        return getattr(self.layer, "layer_name", None)
-
-
-class KVCapture:
-    """Records the fresh K/V each attention layer writes to its cache.
-
-    ``start(rows)`` drops earlier records and begins recording; every
-    ``do_kv_cache_update`` of a ddtree impl then stores a **copy** of
-    ``key[rows]`` and ``value[rows]`` (all rows when ``rows`` is None) with its
-    ``kv_cache``, one record per layer (the latest wins). A copy, because the
-    arguments are activation buffers: under ``torch.compile`` (or CUDA graphs)
-    the next kernels of the same forward reuse their memory.
-    ``rewrite(src, dst_slots)`` writes captured rows ``src`` (indices into
-    ``rows``) of every record to ``dst_slots`` through the layer's own
-    ``do_kv_cache_update``, so it works for every cache layout.
-
-    Start and stop it around the target model's verification forward only
-    (the drafter's layers use the same impl classes), then ``clear()`` after
-    the rewrite to release the copies.
-    """
-
-    def __init__(self) -> None:
-        self._active = False
-        self._rewriting = False
-        self._rows: torch.Tensor | None = None
-        self._records: dict[int, KVRecord] = {}
-
-    @property
-    def active(self) -> bool:
-        return self._active
-
-    def start(self, rows: torch.Tensor | None = None) -> None:
-        """Begin recording; ``rows``: the token rows to keep (default: all)."""
-        self._records.clear()
-        self._rows = rows
-        self._active = True
-
-    def stop(self) -> None:
-        self._active = False
-
-    def clear(self) -> None:
-        self._records.clear()
-
-    def record(
-        self,
-        impl: Any,
-        layer: Any,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-    ) -> None:
-        if self._active and not self._rewriting:
-            rows = self._rows
-            if rows is None:
-                key, value = key.clone(), value.clone()
-            else:
-                key, value = key.index_select(0, rows), value.index_select(0, rows)
-            self._records[id(layer)] = KVRecord(impl, layer, key, value, kv_cache)
-
-    def records(self) -> list[KVRecord]:
-        return list(self._records.values())
-
-    def rewrite(
-        self,
-        src_rows: torch.Tensor,
-        dst_slots: torch.Tensor | Mapping[str, torch.Tensor],
-    ) -> int:
-        """Copy captured rows ``src_rows`` (indices into the ``rows`` given to
-        :meth:`start`, or token rows when none were) to cache slots ``dst_slots``.
-
-        ``dst_slots`` is a slot-mapping tensor (same dtype and meaning as the
-        runner's ``slot_mapping``) or a mapping from layer name to one, for
-        models whose layers use different KV cache groups. Returns the number
-        of layers rewritten (0 when ``src_rows`` is empty). Records are not
-        changed by the rewrite.
-        """
-        if src_rows.numel() == 0:
-            return 0
-        self._rewriting = True
-        try:
-            count = 0
-            for rec in self._records.values():
-                if isinstance(dst_slots, Mapping):
-                    slots = dst_slots[rec.layer_name]  # type: ignore[index]
-                else:
-                    slots = dst_slots
-                rec.impl.do_kv_cache_update(
-                    rec.layer, rec.key[src_rows], rec.value[src_rows], rec.kv_cache, slots
-                )
-                count += 1
-            return count
-        finally:
-            self._rewriting = False
-
-
-kv_capture = KVCapture()
-
-
 # ---------------------------------------------------------------------------
 # Shared tree dispatch
 # ---------------------------------------------------------------------------
 
 
-class _TreeAttentionMixin:
-    """Tree-step checks and KV capture shared by the CPU and CUDA impls."""
+class TreeAttentionImplMixin:
+    """What makes an attention impl tree-capable: the runner's start-up guard
+    requires it on every target layer, and its methods are shared by the CPU
+    and CUDA impls."""
 
-    def _tree_unsupported(self, attn_metadata: Any, output_scale, output_block_scale):
-        """Reason the tree path cannot serve this layer, or None."""
+    def tree_unsupported_reason(self) -> str | None:
+        """The layer feature the tree path cannot serve, or None. Checked once
+        per target layer at start-up (the engine refuses to start)."""
         if self.attn_type != AttentionType.DECODER:
             return f"attention type {self.attn_type}"
         window = self.sliding_window
-        if (isinstance(window, tuple) and window != (-1, -1)) or (
-            isinstance(window, int) and window != -1
-        ):
+        if window not in (-1, (-1, -1), None):
             return "sliding window attention"
         if self.alibi_slopes is not None:
             return "ALiBi"
-        if getattr(self, "sinks", None) is not None:
+        if self.sinks is not None:
             return "attention sinks"
         if self.logits_soft_cap:
             return "logits soft-capping"
         if self.kv_cache_dtype not in ("auto", "float16", "bfloat16"):
             return f"kv_cache_dtype {self.kv_cache_dtype}"
+        return None
+
+    def _step_unsupported_reason(self, attn_metadata: Any, output_scale,
+                                 output_block_scale) -> str | None:
         if output_scale is not None or output_block_scale is not None:
             return "fused output quantization"
-        if getattr(self, "chunk_lookback", -1) > -1:
-            return "chunked attention with lookback"
-        if getattr(attn_metadata, "mm_prefix_range_tensor", None) is not None:
-            return "multimodal prefix ranges"
-        causal = getattr(attn_metadata, "causal", True)
+        causal = attn_metadata.causal
         if not (isinstance(causal, bool) and causal):
             return "non-causal attention"
         return None
 
-    def _check_tree_step(self, attn_metadata, output_scale, output_block_scale):
-        reason = self._tree_unsupported(attn_metadata, output_scale, output_block_scale)
+    def _check_tree_step(self, layer, attn_metadata, output_scale, output_block_scale):
+        reason = (self.tree_unsupported_reason()
+                  or self._step_unsupported_reason(attn_metadata, output_scale,
+                                                   output_block_scale))
         if reason is not None:
             raise NotImplementedError(
                 f"ddtree tree attention does not support {reason} "
-                f"({type(self).__name__})"
-            )
+                f"({type(self).__name__}, layer {layer.layer_name})")
+        kv_capture.saw_tree(layer.layer_name)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)  # type: ignore[misc]
-        if self.attn_type == AttentionType.DECODER:
+        if kv_capture.active:
             kv_capture.record(self, layer, key, value, kv_cache)
 
 
@@ -331,7 +199,7 @@ class DDTreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        isa = tree_cpu_isa(self.isa, _ddtree_enabled(vllm_config))
+        isa = tree_cpu_isa(self.isa, ddtree_runtime(vllm_config) is not None)
         if isa != self.isa:
             logger.info_once(
                 "ddtree: CPU attention uses the %r KV layout instead of %r so "
@@ -351,12 +219,12 @@ def _step_plan(info: TreeAttentionInfo, attn_metadata, block_size: int) -> TreeB
     if plan is None:
         plan = plan_tree_batch(attn_metadata.query_start_loc, attn_metadata.seq_lens,
                                attn_metadata.block_table, block_size, info.mask,
-                               info.get_tree_reqs())
+                               info.tree_reqs())
         info.plans[key] = plan
     return plan
 
 
-class DDTreeCPUAttentionImpl(_TreeAttentionMixin, CPUAttentionBackendImpl):
+class DDTreeCPUAttentionImpl(TreeAttentionImplMixin, CPUAttentionBackendImpl):
     def forward(
         self,
         layer,
@@ -370,22 +238,21 @@ class DDTreeCPUAttentionImpl(_TreeAttentionMixin, CPUAttentionBackendImpl):
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         info = get_tree_info(attn_metadata)
-        tree_reqs = info.get_tree_reqs() if info is not None else ()
+        tree_reqs = info.tree_reqs() if info is not None else ()
         if not tree_reqs:
             return super().forward(
                 layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale, output_block_scale,
             )  # fmt: skip
         assert info is not None
-        self._check_tree_step(attn_metadata, output_scale, output_block_scale)
-        isa = getattr(layer, "isa", None)
-        if isa not in CPU_TREE_ISAS:
+        if layer.isa not in CPU_TREE_ISAS:
             raise RuntimeError(
                 f"ddtree tree attention on CPU reads the KV cache in the "
-                f"vec/vec16 layout but layer {getattr(layer, 'layer_name', '?')} "
-                f"uses isa {isa!r}; the metadata builder forces 'vec' only when "
+                f"vec/vec16 layout but layer {layer.layer_name} uses isa "
+                f"{layer.isa!r}; the metadata builder forces 'vec' only when "
                 f"speculative_config.ddtree is set"
             )
+        self._check_tree_step(layer, attn_metadata, output_scale, output_block_scale)
         num_reqs = attn_metadata.seq_lens.shape[0]
         if len(tree_reqs) < num_reqs:
             super().forward(
@@ -433,8 +300,19 @@ class DDTreeCPUAttentionBackend(CPUAttentionBackend):
 
 if TritonAttentionBackend is not None:
 
-    class DDTreeTritonAttentionImpl(_TreeAttentionMixin, TritonAttentionImpl):
+    class DDTreeTritonAttentionImpl(TreeAttentionImplMixin, TritonAttentionImpl):
         _kernel_module: ClassVar[Any] = None
+
+        def tree_unsupported_reason(self) -> str | None:
+            if self.chunk_lookback > -1:
+                return "chunked attention with lookback"
+            return super().tree_unsupported_reason()
+
+        def _step_unsupported_reason(self, attn_metadata, output_scale, output_block_scale):
+            if attn_metadata.mm_prefix_range_tensor is not None:
+                return "multimodal prefix ranges"
+            return super()._step_unsupported_reason(attn_metadata, output_scale,
+                                                    output_block_scale)
 
         @classmethod
         def _kernel(cls):
@@ -462,7 +340,7 @@ if TritonAttentionBackend is not None:
                     layer, query, key, value, kv_cache, attn_metadata, output,
                     output_scale, output_block_scale,
                 )  # fmt: skip
-            self._check_tree_step(attn_metadata, output_scale, output_block_scale)
+            self._check_tree_step(layer, attn_metadata, output_scale, output_block_scale)
             key_cache, value_cache = split_kv_cache_nhd(kv_cache, self.head_size)
             n = attn_metadata.num_actual_tokens
             self._kernel().tree_attention(

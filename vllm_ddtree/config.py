@@ -134,5 +134,6 @@ def resolve(cfg: DDTreeConfig, draft_config: dict[str, Any]) -> DDTreeRuntime:
 
 def ddtree_runtime(vllm_config: Any) -> DDTreeRuntime | None:
     """The attached :class:`DDTreeRuntime`, or None when DDTree is off."""
-    spec = getattr(vllm_config, "speculative_config", None)
+    spec = vllm_config.speculative_config
+    # ``ddtree`` is this plugin's attribute; other methods' configs lack it.
     return getattr(spec, "ddtree", None) if spec is not None else None

@@ -31,5 +31,9 @@ def register() -> None:
 
         installed = install()
         _registered = True
-    logger.info("vllm-ddtree %s loaded on %s (%s)", __version__, found,
-                ", ".join(installed) if installed else "no seams installed")
+    seams = ", ".join(installed) if installed else "no seams installed"
+    if "UNSUPPORTED" in found:
+        logger.warning("vllm-ddtree %s loaded on %s: its patches were written for another "
+                       "vLLM and may serve wrong tokens (%s)", __version__, found, seams)
+    else:
+        logger.info("vllm-ddtree %s loaded on %s (%s)", __version__, found, seams)

@@ -1,22 +1,27 @@
 """``DDTreeProposer``: DFlash drafting that returns a tree instead of a chain.
 
-One round, top-down:
+One drafting step, top-down:
 
-1. The stock DFlash forward drafts one block ``[root, MASK x K]`` for every
-   request (``DFlashProposer.propose`` with K masks, K = the drafter depth).
+1. The stock DFlash forward drafts one block ``[root, MASK x depth]`` for
+   every request (``DFlashProposer.propose`` asked for ``depth`` tokens, the
+   drafter positions in use).
 2. Instead of the per-position argmax we keep the drafter's logits
-   ``[batch, K, V]`` (:meth:`_sample_draft_tokens`).
-3. :func:`vllm_ddtree.tree.build_tree` turns them into the B most probable
-   prefixes per request, in flat order (parents before children).
-4. The flat tokens ``[batch, B]`` go back to vLLM as the "draft tokens"; the
-   tree structure stays on the proposer (:attr:`last_tree`, with the request
-   ids it belongs to) until the runner verifies it in the next step.
+   ``[batch, depth, V]`` (:meth:`_sample_draft_tokens`).
+3. :func:`vllm_ddtree.tree.build_tree` turns them into the ``budget`` most
+   probable prefixes per request, in flat order (parents before children).
+4. The flat tokens ``[batch, budget]`` go back to vLLM as the draft tokens;
+   the tree itself waits in :meth:`take_tree` for the runner, which verifies
+   it in the next step.
+
+Names: ``budget`` is the tree budget B (vLLM's ``num_speculative_tokens``),
+``depth`` the number of drafter positions used (at most ``block_size - 1``).
 """
 
 from __future__ import annotations
 
 import torch
-from vllm.config import VllmConfig
+from vllm.config import VllmConfig, get_layers_from_vllm_config
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.config import ddtree_runtime
@@ -26,24 +31,31 @@ from vllm_ddtree.tree import DraftTree, build_tree
 class DDTreeProposer(DFlashProposer):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
         runtime = ddtree_runtime(vllm_config)
-        assert runtime is not None, "DDTreeProposer needs speculative_config.ddtree"
+        if runtime is None:
+            raise ValueError("DDTreeProposer needs speculative_config.ddtree")
         spec = vllm_config.speculative_config
-        budget = spec.num_speculative_tokens
         # DFlash sizes its query buffers by num_speculative_tokens; our drafter
-        # forward has 1 + K queries per request, which can exceed 1 + B.
-        spec.num_speculative_tokens = max(budget, runtime.depth)
+        # forward has 1 + depth queries per request, which can exceed 1 + budget.
+        spec.num_speculative_tokens = max(runtime.budget, runtime.depth)
         try:
             super().__init__(vllm_config, device, runner)
         finally:
-            spec.num_speculative_tokens = budget
+            spec.num_speculative_tokens = runtime.budget
         self.ddtree = runtime
+        self.target_attn_layers: frozenset[str] = frozenset()
         self._draft_logits: torch.Tensor | None = None
-        # The trees proposed in the last round, row-aligned with last_req_ids.
-        self.last_tree: DraftTree | None = None
+        self._tree: DraftTree | None = None
+
+    def load_model(self, target_model) -> None:
+        # Called right after the target is loaded: the attention layers that
+        # exist now are the target's, those added by super() the drafter's.
+        self.target_attn_layers = frozenset(
+            get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase))
+        super().load_model(target_model)
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
-        # [batch * K, V], request-major. Keep the logits; the argmax is only
-        # returned to satisfy the base class (the tree replaces it).
+        # [batch * depth, V], request-major. Keep the logits; the argmax is
+        # only returned to satisfy the base class (the tree replaces it).
         logits = self.model.compute_logits(hidden_states)
         self._draft_logits = logits
         return logits.argmax(dim=-1), None
@@ -51,11 +63,18 @@ class DDTreeProposer(DFlashProposer):
     def propose(self, num_speculative_tokens, *args, **kwargs) -> torch.Tensor:
         depth = self.ddtree.depth
         super().propose(depth, *args, **kwargs)
-        logits = self._draft_logits
-        self._draft_logits = None
-        assert logits is not None
+        logits, self._draft_logits = self._draft_logits, None
+        if logits is None:
+            raise RuntimeError("DDTree: the DFlash drafter produced no logits; "
+                               "DFlashProposer._sample_draft_tokens was not called")
         batch = logits.shape[0] // depth
+        # The scheduler's num_spec_tokens_to_schedule; 0 means "not set".
         budget = int(num_speculative_tokens) or self.ddtree.budget
-        tree = build_tree(logits.view(batch, depth, -1), budget)
-        self.last_tree = tree
-        return tree.tokens
+        self._tree = build_tree(logits.view(batch, depth, -1), budget)
+        return self._tree.tokens
+
+    def take_tree(self) -> DraftTree | None:
+        """The trees of the last :meth:`propose` (once), row ``i`` for the
+        runner's request ``i`` of that step."""
+        tree, self._tree = self._tree, None
+        return tree

@@ -47,11 +47,9 @@ from torch import Tensor
 __all__ = [
     "DraftTree",
     "WalkResult",
-    "CompactionPairs",
     "build_tree",
     "ancestor_mask",
     "walk",
-    "compaction_pairs",
     "process_logits",
     "sample_posterior",
     "SAMPLING_EPS",
@@ -77,15 +75,6 @@ class WalkResult(NamedTuple):
     output_tokens: Tensor  # [b, B+1] int64 accepted tokens, then the bonus, then -1
     num_accepted: Tensor  # [b] int64 number a of accepted draft nodes
     path: Tensor  # [b, B+1] int64 flat indices: root, a accepted nodes, then -1
-
-
-class CompactionPairs(NamedTuple):
-    """KV moves after a walk: flat node ``src[:, k-1]`` goes to slot ``dst[k-1] = k``."""
-
-    src: Tensor  # [b, B] int64 source flat index (equals dst where unused)
-    dst: Tensor  # [B] int64 destination flat index k = 1..B
-    mask: Tensor  # [b, B] bool, k <= num_accepted
-    needs_copy: Tensor  # [b, B] bool, mask & (src != dst)
 
 
 # --------------------------------------------------------------------------
@@ -314,7 +303,7 @@ def ancestor_mask(
 
 
 # --------------------------------------------------------------------------
-# Walk and compaction
+# Walk
 # --------------------------------------------------------------------------
 
 
@@ -368,20 +357,6 @@ def walk(
     out = torch.where(col < a, full_tokens.gather(1, nxt.clamp(min=0)), -1)
     out = torch.where(col == a, bonus, out)
     return WalkResult(out, num_accepted, path)
-
-
-def compaction_pairs(result: WalkResult) -> CompactionPairs:
-    """KV moves ``path[k] -> k`` for ``k = 1..a``, applied in ascending ``k``.
-
-    In place is safe because ``path[k] >= k``. Pairs with ``path[k] == k`` are
-    already in place (``needs_copy`` False); unused entries have ``src == dst``.
-    """
-    path, a = result.path, result.num_accepted
-    budget = path.shape[1] - 1
-    dst = torch.arange(1, budget + 1, device=path.device)
-    mask = dst[None, :] <= a[:, None]
-    src = torch.where(mask, path[:, 1:], dst[None, :])
-    return CompactionPairs(src, dst, mask, mask & (src != dst[None, :]))
 
 
 # --------------------------------------------------------------------------

@@ -25,6 +25,11 @@ class UnsupportedVLLMVersion(RuntimeError):
     pass
 
 
+def version_override_allowed() -> bool:
+    """Whether ``VLLM_DDTREE_ALLOW_ANY_VLLM`` asks to load on any vLLM."""
+    return os.environ.get(ALLOW_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
 def supported_specs() -> dict[str, SpecifierSet]:
     """``{distribution name: specifier}`` for every vLLM build we support."""
     specs: dict[str, SpecifierSet] = {}
@@ -79,6 +84,6 @@ def check_vllm_version(dist: str | None = None, version: str | Version | None = 
         f"refuses to load. Install a supported vLLM (pip install 'vllm-ddtree[cpu]' "
         f"or 'vllm-ddtree[cuda]'), or set {ALLOW_ENV}=1 to load anyway at your own risk."
     )
-    if os.environ.get(ALLOW_ENV, "") not in ("", "0"):
+    if version_override_allowed():
         return f"{found} (UNSUPPORTED, allowed by {ALLOW_ENV})"
     raise UnsupportedVLLMVersion(msg)

@@ -1,0 +1,160 @@
+"""What DDTree refuses, and the guards that prove its seams took effect.
+
+* Engine configuration: on CUDA (the platform reported as CUDA) the target's
+  attention layers get the ``DDTREE`` backend and the drafter keeps vLLM's
+  automatic choice; a user's ``--attention-backend`` that cannot serve trees
+  is refused. Settings and targets DDTree would serve wrongly are refused
+  before any engine process starts.
+* Runtime guards (real engines on CPU): with ``CPU_ATTN`` left stock on the
+  target's layers, the start-up guard refuses to start; with that guard also
+  disabled, the first tree step raises.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+
+from tests.conftest import run_job
+from vllm_ddtree.config import DDTreeConfigError
+from vllm_ddtree.plugin import register
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _plugin():
+    register()
+
+
+def _args(target, drafter, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    kw.setdefault("dtype", "float32")
+    return EngineArgs(model=target, max_model_len=512, enforce_eager=True,
+                      speculative_config={"method": "ddtree", "model": drafter}, **kw)
+
+
+@pytest.fixture
+def cuda_platform(monkeypatch):
+    """The platform reported as CUDA to the plugin (its backend registration
+    and the engine-config hook); vLLM itself keeps running on CPU."""
+    from vllm.platforms import current_platform
+
+    from vllm_ddtree.attention import register_backends
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    assert register_backends() == ["DDTREE"]
+    yield
+    monkeypatch.undo()
+
+
+def test_cuda_target_gets_the_tree_backend_and_drafter_stays_automatic(tiny_pair,
+                                                                      cuda_platform):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    target, drafter = tiny_pair
+    cfg = _args(target, drafter).create_engine_config()
+    tree_backend = AttentionBackendEnum["DDTREE"]
+    assert cfg.attention_config.backend is tree_backend
+    assert cfg.speculative_config.ddtree is not None
+    # vLLM builds the drafter's config with the spec's own attention_backend
+    # (None: automatic, so DFlash gets a backend for its non-causal block).
+    proposer = SimpleNamespace(speculative_config=cfg.speculative_config, vllm_config=cfg)
+    draft_cfg = SpecDecodeBaseProposer._create_draft_vllm_config(proposer)
+    assert draft_cfg.attention_config.backend is None
+    # Asking for DDTREE explicitly is accepted.
+    explicit = _args(target, drafter, attention_backend="DDTREE").create_engine_config()
+    assert explicit.attention_config.backend is tree_backend
+
+
+@pytest.mark.parametrize("kw,flag", [
+    ({"attention_backend": "FLASH_ATTN"}, "--attention-backend"),
+    ({"attention_config": {"backend": "FLASHINFER"}}, "attention_config.backend"),
+])
+def test_cuda_refuses_a_backend_that_ignores_tree_masks(tiny_pair, cuda_platform, kw, flag):
+    target, drafter = tiny_pair
+    with pytest.raises(DDTreeConfigError) as e:
+        _args(target, drafter, **kw).create_engine_config()
+    msg = str(e.value)
+    assert msg.startswith(flag) and "DDTREE" in msg and "Drop" in msg
+
+
+def test_cpu_keeps_vllms_backend_choice(tiny_pair):
+    target, drafter = tiny_pair
+    assert _args(target, drafter).create_engine_config().attention_config.backend is None
+
+
+def _variant(tmp_path, target, **changes):
+    """A copy of the tiny target whose config.json has ``changes``."""
+    d = tmp_path / "target"
+    shutil.copytree(target, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+])
+def test_refused_engine_settings(tiny_pair, kw, field):
+    target, drafter = tiny_pair
+    with pytest.raises(DDTreeConfigError, match=rf"^{field}:.*dflash"):
+        _args(target, drafter, **kw).create_engine_config()
+
+
+@pytest.mark.parametrize("changes,what", [
+    ({"rope_scaling": {"rope_type": "default", "mrope_section": [4, 6, 6]}}, "M-RoPE"),
+    ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0,
+      "layer_types": ["sliding_attention"] * 4}, "sliding-window"),
+])
+def test_refused_targets(tiny_pair, tmp_path, changes, what):
+    target, drafter = tiny_pair
+    with pytest.raises(DDTreeConfigError, match=rf"^model:.*{what}.*dflash"):
+        _args(_variant(tmp_path, target, **changes), drafter).create_engine_config()
+
+
+def test_more_than_one_target_kv_group_is_refused():
+    from vllm_ddtree.round import DDTreeSeamError
+    from vllm_ddtree.runner import target_kv_cache_group
+
+    def cfg(*groups):
+        return SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=g) for g in groups])
+
+    target = frozenset({"l0", "l1"})
+    assert target_kv_cache_group(cfg(["d0"], ["l0", "l1"]), target) == 1
+    with pytest.raises(DDTreeSeamError, match="one KV-cache group; this target has 2"):
+        target_kv_cache_group(cfg(["l0"], ["l1"], ["d0"]), target)
+
+
+# ---------------------------------------------------------------------------
+# Runtime guards in a real engine (CPU)
+# ---------------------------------------------------------------------------
+
+GUARD_JOB = {"prompts": ["def add(a, b):\n"],
+             "sampling": {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True},
+             "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("breaker,message", [
+    # The start-up guard names the layer and its backend.
+    ("tests.seam_breakers:stock_cpu_attention",
+     r"model\.layers\.0\.self_attn\.attn uses the CPU_ATTN backend \(CPUAttentionBackendImpl\)"),
+    # With that guard gone too, the first tree step names the layers.
+    ("tests.seam_breakers:stock_cpu_attention_unguarded",
+     r"did not run the tree path .*kv_capture: model\.layers\.0\.self_attn\.attn"),
+])
+def test_stock_attention_on_the_target_is_refused(tiny_pair, tmp_path, breaker, message):
+    target, drafter = tiny_pair
+    job = dict(GUARD_JOB, model=target, setup=breaker,
+               speculative_config={"method": "ddtree", "model": drafter,
+                                   "num_speculative_tokens": 8})
+    with pytest.raises(RuntimeError, match=message):
+        run_job(job, tmp_path, timeout=300)

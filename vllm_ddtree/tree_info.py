@@ -1,0 +1,67 @@
+"""The tree description a verification step hands to the attention backends.
+
+The runner attaches one :class:`TreeAttentionInfo` to the target model's
+per-layer attention metadata as ``metadata.ddtree`` (see
+``vllm_ddtree/round.py``); the DDTree attention impls read it
+(``vllm_ddtree/attention.py``). No vLLM imports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["TreeAttentionInfo", "get_tree_info"]
+
+
+@dataclass
+class TreeAttentionInfo:
+    """``mask``: int32 ``[num_tokens, W]``, one row per query token of the
+    batch: little-endian packed bits over the request's own query span (bit
+    ``j % 32`` of word ``j // 32``: "sees tree node j"); rows of non-tree
+    requests are ignored. ``is_tree``: bool ``[num_reqs]`` on the mask's
+    device. ``plans``: per-step data derived once and shared by every layer
+    (e.g. the CPU batched plan), keyed by the backend.
+
+    Build it with :meth:`create`, which validates shapes and dtypes.
+    """
+
+    mask: torch.Tensor
+    is_tree: torch.Tensor
+    _tree_reqs: tuple[int, ...] | None = field(default=None, repr=False)
+    plans: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def create(cls, mask: torch.Tensor, is_tree: torch.Tensor) -> TreeAttentionInfo:
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.int32:
+            raise TypeError(f"TreeAttentionInfo.mask must be an int32 tensor, got "
+                            f"{getattr(mask, 'dtype', type(mask))}")
+        if mask.dim() != 2 or mask.shape[1] < 1:
+            raise ValueError(f"TreeAttentionInfo.mask must be 2-D [num_tokens, W>=1], got "
+                             f"shape {tuple(mask.shape)}")
+        if not isinstance(is_tree, torch.Tensor) or is_tree.dtype != torch.bool:
+            raise TypeError(f"TreeAttentionInfo.is_tree must be a bool tensor, got "
+                            f"{getattr(is_tree, 'dtype', type(is_tree))}")
+        if is_tree.dim() != 1:
+            raise ValueError(f"TreeAttentionInfo.is_tree must be 1-D [num_reqs], got shape "
+                             f"{tuple(is_tree.shape)}")
+        if is_tree.device != mask.device:
+            raise ValueError(f"TreeAttentionInfo.is_tree is on {is_tree.device} but mask is "
+                             f"on {mask.device}")
+        return cls(mask=mask, is_tree=is_tree)
+
+    def tree_reqs(self) -> tuple[int, ...]:
+        """Indices of the tree requests (host side; computed once per step,
+        which syncs off CPU: only the CPU path asks)."""
+        if self._tree_reqs is None:
+            self._tree_reqs = tuple(i for i, f in enumerate(self.is_tree.tolist()) if f)
+        return self._tree_reqs
+
+
+def get_tree_info(attn_metadata: Any) -> TreeAttentionInfo | None:
+    """The step's tree description, or None. Metadata objects the runner did
+    not tag (the drafter's, or any built outside a verification step) have no
+    ``ddtree`` attribute: that means "no tree"."""
+    return getattr(attn_metadata, "ddtree", None)

@@ -27,6 +27,8 @@ there bf16 operands are upcast to fp32 for the dot products.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import triton
 import triton.language as tl
@@ -347,26 +349,21 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def check_tree_attention_args(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    tree_mask: torch.Tensor | None = None,
-    is_tree: torch.Tensor | None = None,
-    output: torch.Tensor | None = None,
-    tree_only: bool = False,
-    max_query_len: int | None = None,
-) -> None:
-    """Raise ``ValueError`` naming the first argument of a
-    :func:`tree_attention` launch that is malformed.
+def check_tree_attention_args(*args, **kwargs) -> None:
+    """Raise ``ValueError`` naming the first malformed argument of a
+    :func:`tree_attention` launch; takes exactly that function's arguments.
 
     The launcher itself does not check (it runs for every layer of every
     step); tests and callers that build arguments by hand call this first.
     """
+    bound = inspect.signature(tree_attention).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    query, key_cache, value_cache = a["query"], a["key_cache"], a["value_cache"]
+    block_table, query_start_loc, seq_lens = (a["block_table"], a["query_start_loc"],
+                                              a["seq_lens"])
+    tree_mask, is_tree, output = a["tree_mask"], a["is_tree"], a["output"]
+    tree_only, max_query_len = a["tree_only"], a["max_query_len"]
     _check(
         query.dtype in _SUPPORTED_DTYPES,
         f"query: dtype {query.dtype} not supported (fp16, bf16, fp32)",

@@ -133,6 +133,7 @@ class DDTreeRunnerMixin:
             sample_hidden_states, aux_hidden_states, spec_decode_metadata,
             common_attn_metadata, slot_mappings)
         if self.ddtree is not None:
+            self.ddtree_round = None  # the round ends here
             tree = self.drafter.take_tree()
             if tree is not None:
                 num_reqs = self.input_batch.num_reqs

@@ -89,7 +89,7 @@ class DDTreeRuntime(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     budget: int
-    depth: int  # drafter positions used per round (K)
+    depth: int  # drafter positions used per round (the deepest tree level)
     block_size: int  # the drafter's trained block size (K_max + 1)
     # Where the runner publishes its counters for /metrics (see stats.py);
     # None: no ddtree metrics.
@@ -123,12 +123,12 @@ def resolve(cfg: DDTreeConfig, draft_config: dict[str, Any]) -> DDTreeRuntime:
         raise DDTreeConfigError(
             f"speculative_config.model: the DFlash drafter's block_size must be an integer "
             f">= 2 (one anchor plus at least one masked position), got {block_size!r}.")
-    k_max = block_size - 1
-    depth = k_max if cfg.max_depth is None else cfg.max_depth
-    if depth > k_max:
+    max_depth = block_size - 1
+    depth = max_depth if cfg.max_depth is None else cfg.max_depth
+    if depth > max_depth:
         raise DDTreeConfigError(
             f"speculative_config.ddtree_max_depth: {depth} exceeds what the drafter predicts "
-            f"(block_size - 1 = {k_max}); use a value in [1, {k_max}].")
+            f"(block_size - 1 = {max_depth}); use a value in [1, {max_depth}].")
     return DDTreeRuntime(budget=cfg.budget, depth=depth, block_size=block_size)
 
 

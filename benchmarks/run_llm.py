@@ -14,13 +14,29 @@ a fresh process (vLLM engines do not release everything when dropped)::
      "llm": {extra vllm.LLM kwargs},
      "env": {extra environment variables},
      "setup": "module:function" called before the engine starts (tests use it,
-              with VLLM_ENABLE_V1_MULTIPROCESSING=0, to alter the runner)}
+              with VLLM_ENABLE_V1_MULTIPROCESSING=0, to alter the runner),
+     "followup": {"suffix": "text" | [token ids], "sampling": {...}}  (optional)}
 
 The result has ``outputs`` (token ids per prompt, a list per completion when
 ``n > 1``), ``seconds`` (generation wall time) and ``spec`` (vLLM's
 spec-decode counters: drafts, draft tokens, accepted tokens, accepted per
 position, and the acceptance length ``tau = 1 + accepted / drafts``; with
 DDTree, ``spec["ddtree"]`` holds the ``vllm:ddtree_*`` metrics).
+
+``followup`` runs a second turn in the same engine once the first is done
+(and its ``spec`` counters read): each prompt becomes the first turn's prompt
+token ids + its output token ids (the first completion when ``n > 1``) +
+``suffix`` (text is tokenized without special tokens; default: nothing),
+generated with the followup's ``sampling`` (default: the first turn's). The
+second turn is what exercises the prefix cache on blocks that hold generated
+tokens. Its results are under ``result["followup"]``:
+
+* ``prompts`` (the token ids sent) and ``suffix`` (the suffix's token ids);
+* ``outputs``, ``seconds`` and ``num_tokens``, as for the first turn;
+* ``prefix_cache``: this turn's ``hits`` and ``queries`` (the growth of
+  ``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries``, in tokens) and
+  ``per_prompt`` (each request's cached prompt tokens);
+* ``spec``: this turn's ``drafts``, ``draft_tokens`` and ``accepted``.
 """
 
 from __future__ import annotations
@@ -93,9 +109,46 @@ def run(job: dict) -> dict:
     n = params.n
     outputs = [[list(c.token_ids) for c in o.outputs] if n > 1 else list(o.outputs[0].token_ids)
                for o in outs]
-    return {"outputs": outputs, "seconds": seconds,
+    result = {"outputs": outputs, "seconds": seconds,
+              "num_tokens": sum(len(c.token_ids) for o in outs for c in o.outputs),
+              "spec": spec_metrics(llm), "preemptions": counter(llm, "num_preemptions")}
+    if job.get("followup") is not None:
+        result["followup"] = run_followup(llm, job["followup"], outs, params)
+    return result
+
+
+_FOLLOWUP_COUNTERS = ("prefix_cache_hits", "prefix_cache_queries", "spec_decode_num_drafts",
+                      "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+
+
+def run_followup(llm, followup: dict, first_outs, first_params) -> dict:
+    """The second turn of a job (see ``followup`` in the module docstring)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    suffix = followup.get("suffix") or []
+    if isinstance(suffix, str):
+        suffix = llm.get_tokenizer().encode(suffix, add_special_tokens=False)
+    prompts = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) + list(suffix)
+               for o in first_outs]
+    params = (SamplingParams(**followup["sampling"]) if "sampling" in followup
+              else first_params)
+    before = {k: counter(llm, k) for k in _FOLLOWUP_COUNTERS}
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                        use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    delta = {k: counter(llm, k) - before[k] for k in _FOLLOWUP_COUNTERS}
+    outputs = [[list(c.token_ids) for c in o.outputs] if params.n > 1
+               else list(o.outputs[0].token_ids) for o in outs]
+    return {"prompts": prompts, "suffix": list(suffix), "outputs": outputs, "seconds": seconds,
             "num_tokens": sum(len(c.token_ids) for o in outs for c in o.outputs),
-            "spec": spec_metrics(llm), "preemptions": counter(llm, "num_preemptions")}
+            "prefix_cache": {"hits": delta["prefix_cache_hits"],
+                             "queries": delta["prefix_cache_queries"],
+                             "per_prompt": [o.num_cached_tokens for o in outs]},
+            "spec": {"drafts": delta["spec_decode_num_drafts"],
+                     "draft_tokens": delta["spec_decode_num_draft_tokens"],
+                     "accepted": delta["spec_decode_num_accepted_tokens"]}}
 
 
 def run_in_subprocess(job: dict, workdir, timeout: float | None = None) -> dict:

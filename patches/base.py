@@ -23,6 +23,20 @@ class PatchError(RuntimeError):
     pass
 
 
+def on_cpu() -> bool:
+    """``Patch.when`` for patches of vLLM's CPU build."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def on_cuda() -> bool:
+    """``Patch.when`` for patches of vLLM's CUDA build."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda()
+
+
 @dataclass
 class Patch:
     name: str

@@ -12,19 +12,7 @@ patches are harmless for every other configuration.
 
 from __future__ import annotations
 
-from vllm_ddtree.patches.base import Patch
-
-
-def _is_cpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
-
-
-def _is_cuda() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cuda()
+from vllm_ddtree.patches.base import Patch, on_cpu, on_cuda
 
 
 def _build_cpu(original):
@@ -60,7 +48,7 @@ CPU_RUNNER = Patch(
     upstream="none",
     vllm_versions="==0.32.*",
     build=_build_cpu,
-    when=_is_cpu,
+    when=on_cpu,
 )
 
 CUDA_RUNNER = Patch(
@@ -70,5 +58,5 @@ CUDA_RUNNER = Patch(
     upstream="Worker._make_model_runner is the documented subclass hook",
     vllm_versions="==0.32.*",
     build=_build_cuda,
-    when=_is_cuda,
+    when=on_cuda,
 )

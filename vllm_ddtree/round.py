@@ -210,13 +210,13 @@ class TreeRound:
 
     # ------------------------------------------------------------ 4. verify
     def verify(self, logits: Tensor, draft_token_ids: Tensor, num_draft_tokens: Sequence[int],
-               sampling: Any) -> tuple[Tensor, Tensor]:
+               sampling: Any) -> Tensor:
         """The walk over the scheduled nodes. ``logits`` has ``n + 1`` rows per
         request (its ``n`` scheduled nodes and the root, root first);
         ``draft_token_ids`` the scheduled drafts back to back; ``sampling``
         vLLM's per-request sampling metadata (``all_greedy``, ``temperature``,
-        ``top_k``, ``top_p``, ``generators``). Returns ``(tokens [R, 1+B]:
-        the accepted path then the bonus, -1 padded; num_accepted [R])``."""
+        ``top_k``, ``top_p``, ``generators``). Returns ``[R, 1+B]``: the
+        accepted path then the bonus token, -1 padded."""
         num_reqs = len(num_draft_tokens)
         dev = logits.device
         counts = torch.tensor([n + 1 for n in num_draft_tokens], device=dev)
@@ -237,7 +237,7 @@ class TreeRound:
             tokens = torch.full((num_reqs, self.budget), -1, device=dev, dtype=torch.long)
         res = tree_ops.walk(tokens, self.parents, post, num_nodes=self.num_nodes)
         self.path, self.num_accepted = res.path, res.num_accepted
-        return res.output_tokens, res.num_accepted
+        return res.output_tokens
 
     # ------------------------------------------------------------ 5. compact
     def compact(self, slot_mapping: Tensor) -> None:

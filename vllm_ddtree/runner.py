@@ -114,7 +114,7 @@ class DDTreeRunnerMixin:
         if rnd is None or spec_decode_metadata is None:
             return super()._sample(logits, spec_decode_metadata)
         md = spec_decode_metadata
-        tokens, _ = rnd.verify(logits, md.draft_token_ids, md.num_draft_tokens,
+        tokens = rnd.verify(logits, md.draft_token_ids, md.num_draft_tokens,
                                self.input_batch.sampling_metadata)
         rnd.compact(self.input_batch.block_table[self.ddtree_kv_group].slot_mapping.gpu)
         if self.ddtree_stats is not None:

@@ -274,7 +274,7 @@ def test_builder_forces_vec_layout_with_ddtree(ddtree_on, monkeypatch):
     assert layers["a"].isa == want and layers["b"].isa == want
 
 
-def test_kv_capture_rewrites_path_into_contiguous_slots():
+def test_kv_capture_moves_path_into_contiguous_slots():
     parents = _tree(12, 7)
     node = max(range(12), key=lambda i: len(root_path(parents, i)))
     path = root_path(parents, node)
@@ -289,7 +289,7 @@ def test_kv_capture_rewrites_path_into_contiguous_slots():
 
     cap = kv_capture
     names = ["layers.0.attn", "layers.1.attn"]
-    cap.start(torch.arange(steps[0].num_tokens), names + ["layers.2.attn"])
+    cap.start(names + ["layers.2.attn"])
     try:
         for st in steps:
             st.impl.do_kv_cache_update(st.layer, st.key, st.value, st.kv_cache,
@@ -309,9 +309,12 @@ def test_kv_capture_rewrites_path_into_contiguous_slots():
 
     q0 = int(steps[0].qsl[1])
     src_rows = torch.tensor([q0 + j for j in path[1:]])
+    src_slots = steps[0].slot_mapping[src_rows]
     dst_slots = steps[0].slots(1, range(38, 38 + len(path) - 1))
+    # the moves overlap (a source slot of one is the destination of another)
+    assert set(src_slots.tolist()) & set(dst_slots.tolist())
     before = [split_kv_cache_cpu_vec(st.kv_cache.clone()) for st in steps]
-    assert cap.rewrite(src_rows, dst_slots) == 2
+    assert cap.compact(src_slots, dst_slots) == 2
     assert len(cap.records()) == 2
     for st, (k_before, v_before) in zip(steps, before):
         k_view, v_view = split_kv_cache_cpu_vec(st.kv_cache)
@@ -328,7 +331,7 @@ def test_kv_capture_rewrites_path_into_contiguous_slots():
         assert moved <= set(zip(blk.tolist(), off.tolist()))
     cap.clear()
     assert cap.records() == []
-    assert cap.rewrite(src_rows, dst_slots) == 0
+    assert cap.compact(src_slots, dst_slots) == 0
 
 
 def test_register_backends_on_cpu():

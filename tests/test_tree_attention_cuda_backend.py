@@ -138,7 +138,7 @@ def test_kv_capture_goes_through_the_stock_cache_write(monkeypatch):
     key, value = torch.randn(6, 2, 32), torch.randn(6, 2, 32)
     slots = torch.arange(16, 22)
 
-    kv_capture.start(torch.arange(6), ["layers.0.attn"])
+    kv_capture.start(["layers.0.attn"])
     try:
         impl.do_kv_cache_update(layer, key, value, kv_cache, slots)
         # the drafter's layers share the impl class; their writes are not kept
@@ -147,35 +147,11 @@ def test_kv_capture_goes_through_the_stock_cache_write(monkeypatch):
     finally:
         kv_capture.stop()
     assert len(writes) == 2 and len(kv_capture.records()) == 1
-    src_rows = torch.tensor([3, 5])
-    dst = torch.tensor([17, 18])
-    assert kv_capture.rewrite(src_rows, dst) == 1
+    # node rows 3 and 5 (slots 19, 21) move to slots 17 and 18, read back
+    # from the cache through the impl's views and written by its cache write
+    assert kv_capture.compact(torch.tensor([19, 21]), torch.tensor([17, 18])) == 1
+    assert torch.equal(writes[-1], torch.tensor([17, 18]))
     k_view, v_view = split_kv_cache_nhd(kv_cache)
-    assert torch.equal(k_view[1, 1:3], key[src_rows])
-    assert torch.equal(v_view[1, 1:3], value[src_rows])
+    assert torch.equal(k_view[1, 1:3], key[[3, 5]])
+    assert torch.equal(v_view[1, 1:3], value[[3, 5]])
     kv_capture.clear()
-
-
-def test_kv_capture_keeps_copies_of_reused_buffers(monkeypatch):
-    """Compiled forwards reuse activation buffers after the cache write; the
-    capture must keep what was written, not a view of the buffer."""
-    monkeypatch.setattr(triton_attn.TritonAttentionImpl, "do_kv_cache_update",
-                        lambda self, layer, key, value, kv_cache, slot_mapping: None)
-    impl = _impl(4, 2, 32)
-    layer = SimpleNamespace(layer_name="layers.0.attn")
-    key, value = torch.randn(6, 2, 32), torch.randn(6, 2, 32)
-    k0, v0 = key.clone(), value.clone()
-    for rows in (torch.arange(6), torch.tensor([4, 1, 5])):
-        kv_capture.start(rows, ["layers.0.attn"])
-        try:
-            impl.do_kv_cache_update(layer, key, value, None, torch.arange(6))
-        finally:
-            kv_capture.stop()
-        key.fill_(7.0)  # the next kernel of the forward overwrites the buffers
-        value.fill_(7.0)
-        rec = kv_capture.records()[0]
-        want = rows
-        assert torch.equal(rec.key, k0[want]) and torch.equal(rec.value, v0[want])
-        key.copy_(k0)
-        value.copy_(v0)
-        kv_capture.clear()

@@ -2,7 +2,7 @@
 
 import torch
 
-from vllm_ddtree.compaction import compaction_moves
+from vllm_ddtree.compaction import compaction_rows
 from vllm_ddtree.tree import ancestor_mask, build_tree, walk
 
 K, V, B = 4, 24, 40
@@ -14,7 +14,7 @@ def one_round(logits, budgets, post):
     mask_levels = ancestor_mask(tree.parents, tree.depth, tree.valid, max_depth=K)
     res = walk(tree.tokens, tree.parents, post, tree.valid.sum(-1))
     return (*tree, mask, mask_levels, *res,
-            *compaction_moves(res.path, res.num_accepted, budgets > 1, K))
+            *compaction_rows(res.path, res.num_accepted, torch.tensor([0, 41, 82]), K))
 
 
 def test_fullgraph_compile_matches_eager():

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_ddtree.compaction import compaction_moves
+from vllm_ddtree.compaction import compaction_rows
 from vllm_ddtree.tree import ancestor_mask, build_tree, walk
 
 
@@ -170,37 +170,37 @@ def test_walk_ignores_invalid_tail_of_built_trees():
 
 
 @pytest.mark.parametrize("B,depth", [(1, 1), (9, 4), (40, 40), (40, 6)])
-def test_compaction_moves(B, depth):
+def test_compaction_rows(B, depth):
     rng = np.random.default_rng(7 + B)
     b = 20
     tokens, parents, _ = random_batch(rng, b, B, V=4)
     post = torch.tensor(np.stack([matching_post(rng, tokens[r].numpy(), parents[r].numpy(), 0.8, 4) for r in range(b)]))
     res = walk(tokens, parents, post)
-    is_tree = torch.ones(b, dtype=torch.bool)
-    is_tree[3] = False  # a request verified as a chain never moves
-    moves = compaction_moves(res.path, res.num_accepted, is_tree, depth)
+    query_start = torch.tensor(np.cumsum([0] + [B + 1] * (b - 1)) + 3)  # rows after a prefill of 3
+    src, dst = compaction_rows(res.path, res.num_accepted, query_start, depth)
     D = min(depth, B)
-    assert moves.move.shape == moves.src_node.shape == (b, D)
+    assert src.shape == dst.shape == (b * (D + 1),)
+    src, dst = src.view(b, D + 1), dst.view(b, D + 1)
     saw_copy = saw_in_place = False
     for r in range(b):
         a = min(res.num_accepted[r].item(), D)
         path = res.path[r].tolist()
-        for k in range(1, D + 1):
-            want = r != 3 and k <= a and path[k] != k
-            assert moves.move[r, k - 1].item() == want
-            assert moves.src_node[r, k - 1].item() == (path[k] if want else k)
-            if k <= a and r != 3:
+        qs = query_start[r].item()
+        for k in range(D + 1):
+            if k <= a:
+                assert (src[r, k].item(), dst[r, k].item()) == (qs + path[k], qs + k)
                 assert path[k] >= k
                 saw_copy |= path[k] != k
-                saw_in_place |= path[k] == k
-        if r == 3:
-            continue
-        # Applying the copies in ascending k, in place, lays the path out in depth slots.
-        kv = list(range(B + 1))
-        for k in range(1, D + 1):
-            if moves.move[r, k - 1]:
-                kv[k] = kv[moves.src_node[r, k - 1].item()]
-        assert kv[: a + 1] == path[: a + 1]
+                saw_in_place |= k > 0 and path[k] == k
+            else:  # padding pairs: the root onto itself
+                assert src[r, k].item() == dst[r, k].item() == qs
+        # Reading every source, then writing every destination, lays the path
+        # out in depth rows (a KV cache indexed by token row).
+        kv = list(range(qs + B + 1))
+        moved = [kv[i] for i in src[r].tolist()]
+        for i, v in zip(dst[r].tolist(), moved):
+            kv[i] = v
+        assert kv[qs: qs + a + 1] == [qs + p for p in path[: a + 1]]
     assert saw_in_place and (saw_copy or B == 1)
 
 

@@ -29,11 +29,11 @@ Backends
   ``TRITON_ATTN`` whose forward runs the Triton tree kernel on the whole batch
   when tree info is present and the stock kernel otherwise.
 
-Both impls hand the K/V given to ``do_kv_cache_update`` to
-:data:`~vllm_ddtree.compaction.kv_capture` and report each forward that
-applied a tree mask, so the round can compact accepted nodes' K/V with the
-same cache-write code (any cache layout) and prove every target layer took
-the tree path.
+Both impls report each cache write (``do_kv_cache_update``) and each forward
+that applied a tree mask to :data:`~vllm_ddtree.compaction.kv_capture`, and
+expose their cache as strided K/V views (``tree_kv_views``), so the round can
+compact accepted nodes' K/V by slot with the backend's own cache write and
+prove every target layer took the tree path.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_b
 
 from vllm_ddtree.compaction import kv_capture
 from vllm_ddtree.config import ddtree_runtime
+from vllm_ddtree.kernels import cpu_native
 from vllm_ddtree.kernels.cache_layout import split_kv_cache_cpu_vec, split_kv_cache_nhd
 from vllm_ddtree.kernels.tree_attention_cpu import (
     TreeBatchPlan,
@@ -141,10 +142,24 @@ class TreeAttentionImplMixin:
                 f"({type(self).__name__}, layer {layer.layer_name})")
         kv_capture.saw_tree(layer.layer_name)
 
+    _tree_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def tree_kv_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of this layer's cache as ``[num_blocks, block_size, Hk, D]``
+        strided views (the tree path and KV compaction read the cache by
+        slot); made once per cache tensor."""
+        views = self._tree_views
+        if views is None or views[0] is not kv_cache:
+            views = self._tree_views = (kv_cache, *self._split_kv_cache(kv_cache))
+        return views[1], views[2]
+
+    def _split_kv_cache(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)  # type: ignore[misc]
         if kv_capture.active:
-            kv_capture.record(self, layer, key, value, kv_cache)
+            kv_capture.record(self, layer, kv_cache)
 
 
 def _cpu_tree_mode() -> str:
@@ -219,12 +234,16 @@ def _step_plan(info: TreeAttentionInfo, attn_metadata, block_size: int) -> TreeB
     if plan is None:
         plan = plan_tree_batch(attn_metadata.query_start_loc, attn_metadata.seq_lens,
                                attn_metadata.block_table, block_size, info.mask,
-                               info.tree_reqs())
+                               info.tree_reqs(), num_q=info.max_tree_query_len,
+                               max_seq_len=attn_metadata.max_seq_len)
         info.plans[key] = plan
     return plan
 
 
 class DDTreeCPUAttentionImpl(TreeAttentionImplMixin, CPUAttentionBackendImpl):
+    def _split_kv_cache(self, kv_cache):
+        return split_kv_cache_cpu_vec(kv_cache)
+
     def forward(
         self,
         layer,
@@ -261,9 +280,9 @@ class DDTreeCPUAttentionImpl(TreeAttentionImplMixin, CPUAttentionBackendImpl):
             )  # fmt: skip
 
         n = attn_metadata.num_actual_tokens
-        key_cache, value_cache = split_kv_cache_cpu_vec(kv_cache)
         mode = _cpu_tree_mode()
         if mode == "triton":
+            key_cache, value_cache = self.tree_kv_views(kv_cache)
             ta = _interpreter_kernel_module()
             ta.tree_attention(
                 query[:n], key_cache, value_cache, attn_metadata.block_table,
@@ -271,11 +290,44 @@ class DDTreeCPUAttentionImpl(TreeAttentionImplMixin, CPUAttentionBackendImpl):
                 info.mask, info.is_tree, output=output[:n], tree_only=True,
                 max_query_len=attn_metadata.max_query_len,
             )  # fmt: skip
-        else:
-            tree_attention_batched(query[:n], key_cache, value_cache,
-                                   _step_plan(info, attn_metadata, key_cache.shape[1]),
+            return output
+        lib = cpu_native.load() if _native_fits(kv_cache, self.head_size) else None
+        if lib is None:
+            tree_attention_batched(query[:n], kv_cache,
+                                   _step_plan(info, attn_metadata, kv_cache.shape[2]),
                                    self.scale, output[:n])
+            return output
+        tree_reqs = info.plans.get("native_reqs")
+        if tree_reqs is None:
+            tree_reqs = info.plans["native_reqs"] = torch.tensor(info.tree_reqs(),
+                                                                dtype=torch.int64)
+        out = output[:n]
+        out32 = out if out.dtype == torch.float32 else torch.empty(out.shape,
+                                                                   dtype=torch.float32)
+        cpu_native.tree_attention_native(
+            lib, query[:n].float(), kv_cache, attn_metadata.block_table,
+            attn_metadata.query_start_loc, attn_metadata.seq_lens, tree_reqs, info.mask,
+            self.scale, out32)  # fmt: skip
+        if out32 is not out:
+            rows = _tree_rows(info, attn_metadata)
+            out.index_copy_(0, rows, out32.index_select(0, rows).to(out.dtype))
         return output
+
+
+def _native_fits(kv_cache: torch.Tensor, head_size: int) -> bool:
+    """Whether the native kernel takes this layer (else the torch path)."""
+    return (kv_cache.dtype in cpu_native.KV_DTYPES and kv_cache.is_contiguous()
+            and head_size % 8 == 0 and kv_cache.shape[2] % 8 == 0)
+
+
+def _tree_rows(info: TreeAttentionInfo, attn_metadata) -> torch.Tensor:
+    """The token rows of the tree requests (once per step)."""
+    rows = info.plans.get("native_rows")
+    if rows is None:
+        qsl = attn_metadata.query_start_loc.tolist()
+        rows = info.plans["native_rows"] = torch.cat(
+            [torch.arange(qsl[r], qsl[r + 1]) for r in info.tree_reqs()])
+    return rows
 
 
 class DDTreeCPUAttentionBackend(CPUAttentionBackend):
@@ -314,6 +366,9 @@ if TritonAttentionBackend is not None:
             return super()._step_unsupported_reason(attn_metadata, output_scale,
                                                     output_block_scale)
 
+        def _split_kv_cache(self, kv_cache):
+            return split_kv_cache_nhd(kv_cache, self.head_size)
+
         @classmethod
         def _kernel(cls):
             if cls._kernel_module is None:
@@ -341,7 +396,7 @@ if TritonAttentionBackend is not None:
                     output_scale, output_block_scale,
                 )  # fmt: skip
             self._check_tree_step(layer, attn_metadata, output_scale, output_block_scale)
-            key_cache, value_cache = split_kv_cache_nhd(kv_cache, self.head_size)
+            key_cache, value_cache = self.tree_kv_views(kv_cache)
             n = attn_metadata.num_actual_tokens
             self._kernel().tree_attention(
                 query[:n], key_cache, value_cache, attn_metadata.block_table,

@@ -1,25 +1,27 @@
-"""KV compaction after a tree walk: capture, index math, rewrite.
+"""KV compaction after a tree walk.
 
 During verification node ``j`` of a request writes its K/V to
 ``slot(p0 + j)`` (its flat index). After the walk accepts the path
 ``path[0..a]`` (``path[0]`` = root), vLLM's bookkeeping assumes the accepted
 tokens sit at ``slot(p0 + 1..a)``, so node ``path[k]`` must move to
-``slot(p0 + k)``. Three steps, all in this module:
+``slot(p0 + k)``. :func:`compaction_rows` turns the walk into source and
+destination token rows (the round maps them to slots, and reuses the same rows
+to condition the drafter); :class:`KVCapture` applies them:
 
-1. **Capture** (:class:`KVCapture`): while the target runs the verification
-   forward, every DDTree attention impl hands the K/V it writes to the cache
-   (``do_kv_cache_update``) to :data:`kv_capture`, which keeps a *copy* of
-   each request's root and node rows. A copy, because the arguments are
-   activation buffers that a compiled graph reuses after the cache write.
-2. **Index math** (:func:`compaction_moves`): which ``(request, k)`` move,
-   from which captured row, to which token row.
-3. **Rewrite** (:meth:`KVCapture.rewrite`): the captured rows are written to
-   the destination slots through each layer's own ``do_kv_cache_update``, so
-   every cache layout (CPU ISA-packed, CUDA token-major, quantized) works.
+1. **Note** (:meth:`KVCapture.record`): while the target runs the
+   verification forward, every DDTree attention impl reports its cache write
+   (``do_kv_cache_update``); the capture keeps, per target layer, the impl,
+   the layer and its cache tensor (no copy of any activation).
+2. **Move** (:meth:`KVCapture.compact`): per layer, the accepted nodes' K/V
+   are read back from the cache through the impl's own strided views
+   (``tree_kv_views``) and written to their destination slots through the
+   impl's own ``do_kv_cache_update``, so the cache layout is the backend's
+   business. All sources are read before any destination is written, so
+   overlapping moves are safe.
 
 The capture also proves the tree path ran: :meth:`KVCapture.missing_layers`
-names every target attention layer that did not record a tree write, which
-the round turns into an error on the first tree step.
+names every target attention layer that did not report a cache write or did
+not apply the tree mask, which the round turns into an error.
 
 No vLLM imports: impls and layers are duck-typed.
 """
@@ -28,76 +30,71 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["KVCapture", "KVRecord", "Moves", "compaction_moves", "kv_capture"]
+__all__ = ["KVCapture", "KVRecord", "compaction_rows", "kv_capture"]
 
 
-class Moves(NamedTuple):
-    """KV moves of a batch: destination depth ``k`` of column ``k - 1``."""
-
-    src_node: Tensor  # [R, D] flat index moved to depth k (k itself where unused)
-    move: Tensor  # [R, D] bool: k <= a, the request is a tree and path[k] != k
-
-
-def compaction_moves(path: Tensor, num_accepted: Tensor, is_tree: Tensor,
-                     max_depth: int) -> Moves:
-    """The moves ``path[k] -> k`` for ``k = 1..min(a, max_depth)``.
+def compaction_rows(path: Tensor, num_accepted: Tensor, query_start: Tensor,
+                    max_depth: int) -> tuple[Tensor, Tensor]:
+    """Token rows ``(src, dst)``, flat ``[R * (1 + D)]``: the accepted node
+    ``path[k]`` of request ``r`` moves from row ``query_start[r] + path[k]``
+    to row ``query_start[r] + k`` for ``k = 0..a``; the other pairs are the
+    root onto itself, so the shapes stay static.
 
     ``path`` ``[R, 1+B]`` and ``num_accepted`` ``[R]`` come from
     :func:`vllm_ddtree.tree.walk`. An accepted path is never longer than the
     drafter depth, so only ``D = min(max_depth, B)`` columns are formed.
-    Requests verified as a chain (``is_tree`` False) and nodes already in
-    place (``path[k] == k``) do not move. Ascending ``k`` in place is safe
-    because ``path[k] >= k``; with captured copies the order does not matter.
+    ``path[k] >= k``, so applying the moves in ascending ``k`` in place would
+    be safe as well; :meth:`KVCapture.compact` reads every source first.
     """
-    depth = min(max_depth, path.shape[1] - 1)
-    k = torch.arange(1, depth + 1, device=path.device)
-    src = path[:, 1: depth + 1]
-    move = (k[None, :] <= num_accepted[:, None]) & (src != k[None, :]) & is_tree[:, None]
-    return Moves(torch.where(move, src, k[None, :]), move)
+    cols = min(max_depth, path.shape[1] - 1) + 1
+    k = torch.arange(cols, device=path.device)
+    take = k <= num_accepted[:, None]
+    qs = query_start[:, None]
+    src = qs + torch.where(take, path[:, :cols], 0)
+    dst = qs + torch.where(take, k, 0)
+    return src.flatten(), dst.flatten()
 
 
 @dataclass
 class KVRecord:
-    """One layer's captured cache write (rows restricted to the capture rows)."""
+    """One target layer's cache, and how to read it by slot."""
 
     impl: Any
     layer: Any
-    key: Tensor
-    value: Tensor
     kv_cache: Tensor
+    key_view: Tensor  # [num_blocks, block_size, Hk, D] strided view of the cache
+    value_view: Tensor
 
 
 class KVCapture:
-    """The verification step's fresh K/V per attention layer.
+    """The verification step's target attention layers and their caches.
 
-    ``start(rows, layers)`` drops earlier records and begins recording the
-    token ``rows`` of the layers named in ``layers`` (the target's attention
-    layers; the drafter's share the impl classes and are ignored). Recording
-    stops with :meth:`stop`; :meth:`clear` releases the copies after the
-    rewrite.
+    ``start(layers)`` begins a step for the layers named in ``layers`` (the
+    target's attention layers; the drafter's share the impl classes and are
+    ignored); :meth:`stop` ends it. Records persist across steps (a layer's
+    cache tensor does not change) and are refreshed if it does.
     """
 
     def __init__(self) -> None:
         self._active = False
-        self._rewriting = False
-        self._rows: Tensor | None = None
+        self._moving = False
         self._layers: frozenset[str] = frozenset()
         self._records: dict[str, KVRecord] = {}
+        self._written: set[str] = set()
         self._tree_layers: set[str] = set()
 
     @property
     def active(self) -> bool:
         return self._active
 
-    def start(self, rows: Tensor, layers: Iterable[str]) -> None:
-        self._records.clear()
+    def start(self, layers: Iterable[str]) -> None:
+        self._written.clear()
         self._tree_layers.clear()
-        self._rows = rows
         self._layers = frozenset(layers)
         self._active = True
 
@@ -105,16 +102,19 @@ class KVCapture:
         self._active = False
 
     def clear(self) -> None:
+        """Forget every record (their cache tensors too)."""
         self._records.clear()
 
-    def record(self, impl: Any, layer: Any, key: Tensor, value: Tensor,
-               kv_cache: Tensor) -> None:
+    def record(self, impl: Any, layer: Any, kv_cache: Tensor) -> None:
         """Called by every DDTree impl's ``do_kv_cache_update``."""
-        if not self._active or self._rewriting or layer.layer_name not in self._layers:
+        name = layer.layer_name
+        if not self._active or self._moving or name not in self._layers:
             return
-        rows = self._rows
-        self._records[layer.layer_name] = KVRecord(
-            impl, layer, key.index_select(0, rows), value.index_select(0, rows), kv_cache)
+        self._written.add(name)
+        rec = self._records.get(name)
+        if rec is None or rec.kv_cache is not kv_cache or rec.impl is not impl:
+            key_view, value_view = impl.tree_kv_views(kv_cache)
+            self._records[name] = KVRecord(impl, layer, kv_cache, key_view, value_view)
 
     def saw_tree(self, layer_name: str) -> None:
         """Called by a DDTree impl whose forward applied the tree mask."""
@@ -122,43 +122,37 @@ class KVCapture:
             self._tree_layers.add(layer_name)
 
     def missing_layers(self) -> dict[str, list[str]]:
-        """Target layers that did not capture their write or did not apply the
-        tree mask in the current step, by what is missing."""
-        missing = {"kv_capture": sorted(self._layers - self._records.keys()),
+        """Target layers that did not report their cache write or did not
+        apply the tree mask in the current step, by what is missing."""
+        missing = {"kv_capture": sorted(self._layers - self._written),
                    "tree_mask": sorted(self._layers - self._tree_layers)}
         return {k: v for k, v in missing.items() if v}
 
     def records(self) -> list[KVRecord]:
-        return list(self._records.values())
+        return [self._records[n] for n in sorted(self._written) if n in self._records]
 
-    def rewrite(self, src_rows: Tensor, dst_slots: Tensor) -> int:
-        """Write captured rows ``src_rows`` (indices into the ``rows`` given to
-        :meth:`start`) of every layer to cache slots ``dst_slots`` (the
-        runner's slot-mapping dtype). Returns the number of layers written."""
-        if src_rows.numel() == 0:
+    def compact(self, src_slots: Tensor, dst_slots: Tensor) -> int:
+        """Copy the K/V at cache slots ``src_slots`` to ``dst_slots`` in every
+        layer written this step (slots in the runner's slot-mapping dtype).
+        Returns the number of layers moved."""
+        records = self.records()
+        if not records or src_slots.numel() == 0:
             return 0
-        self._rewriting = True
+        block_size = records[0].key_view.shape[1]
+        src_block = torch.div(src_slots, block_size, rounding_mode="floor")
+        src_offset = src_slots - src_block * block_size
+        self._moving = True
         try:
-            for rec in self._records.values():
-                rec.impl.do_kv_cache_update(rec.layer, rec.key[src_rows], rec.value[src_rows],
-                                            rec.kv_cache, dst_slots)
-            return len(self._records)
+            for rec in records:
+                if rec.key_view.shape[1] != block_size:
+                    raise ValueError("DDTree: target layers with different cache block "
+                                     "sizes cannot share one slot mapping")
+                key = rec.key_view[src_block, src_offset]
+                value = rec.value_view[src_block, src_offset]
+                rec.impl.do_kv_cache_update(rec.layer, key, value, rec.kv_cache, dst_slots)
+            return len(records)
         finally:
-            self._rewriting = False
-
-    def compact(self, moves: Moves, query_start: Tensor, rows_per_req: int,
-                slot_mapping: Tensor) -> int:
-        """Apply ``moves``: the captured row of request ``r``'s node
-        ``src_node`` (capture row ``r * rows_per_req + src_node``) goes to the
-        slot of token row ``query_start[r] + k``. Pairs that do not move
-        rewrite the request's root onto its own slot (a no-op), so the shapes
-        stay static."""
-        num_reqs, depth = moves.move.shape
-        k = torch.arange(1, depth + 1, device=query_start.device)
-        dst_rows = query_start[:, None] + torch.where(moves.move, k[None, :], 0)
-        base = torch.arange(num_reqs, device=query_start.device)[:, None] * rows_per_req
-        src = base + torch.where(moves.move, moves.src_node, 0)
-        return self.rewrite(src.flatten(), slot_mapping[dst_rows.flatten()])
+            self._moving = False
 
 
 kv_capture = KVCapture()

@@ -54,11 +54,11 @@ class DDTreeProposer(DFlashProposer):
         super().load_model(target_model)
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
-        # [batch * depth, V], request-major. Keep the logits; the argmax is
-        # only returned to satisfy the base class (the tree replaces it).
+        # [batch * depth, V], request-major. Keep the logits; the tree replaces
+        # the per-position argmax, so the base class gets placeholder ids.
         logits = self.model.compute_logits(hidden_states)
         self._draft_logits = logits
-        return logits.argmax(dim=-1), None
+        return torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device), None
 
     def propose(self, num_speculative_tokens, *args, **kwargs) -> torch.Tensor:
         depth = self.ddtree.depth

@@ -39,10 +39,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from vllm_ddtree import tree as tree_ops
-from vllm_ddtree.compaction import compaction_moves, kv_capture
+from vllm_ddtree.compaction import compaction_rows, kv_capture
 from vllm_ddtree.tree_info import TreeAttentionInfo
 
 __all__ = ["DDTreeSeamError", "ProposedTrees", "TreeRound"]
@@ -77,19 +78,26 @@ class TreeRound:
     budget: int
     depth: int
     num_nodes: Tensor  # [R] scheduled draft nodes per request
-    parents: Tensor  # [R, B] flat parent index (a chain for non-tree requests)
+    parents: Tensor  # [R, B] flat parent index (a chain for requests without a tree)
     from_drafter: Tensor  # [R] bool: the drafts are a tree of ours
-    is_tree: Tensor  # [R] bool: ... and not chain-shaped (needs a mask)
-    any_tree: bool  # some request needs a mask (always True off CPU: no sync)
+    tree_rows: tuple[int, ...]  # the same, on the host: the requests with a mask
+    logit_rows: Tensor  # [R, 1+B] the logits row of every node (root first)
+    logit_starts: list[int]  # each request's first logits row, on the host
     expected: Tensor  # [R] float64 Σ q(u) over the scheduled nodes (0: unknown)
-    # Set when any_tree:
+    tokens: Tensor | None = None  # [R, B] draft tokens (None: read the scheduled drafts)
+    # Set when tree_rows:
     query_start: Tensor | None = None  # [R] first token row of each request
     seq_positions: Tensor | None = None  # stock sequential positions
     info: TreeAttentionInfo | None = None
-    capture_rows: Tensor | None = None  # [R * (1+B)] token rows kept for compaction
     # Set by verify:
     path: Tensor | None = None  # [R, 1+B]
     num_accepted: Tensor | None = None  # [R]
+    src_rows: Tensor | None = None  # token rows of the accepted nodes, in path order ...
+    dst_rows: Tensor | None = None  # ... and the rows they move to (root onto itself else)
+
+    @property
+    def any_tree(self) -> bool:
+        return bool(self.tree_rows)
 
     # ------------------------------------------------------------ 1. plan
     @classmethod
@@ -106,69 +114,75 @@ class TreeRound:
         query_pos: Tensor,
         query_start: Tensor,
         with_expected: bool,
+        check_drafts: bool = False,
     ) -> TreeRound | None:
         """The round for this step, or None when nothing is verified.
 
         ``scheduled`` maps request ids to their scheduled draft tokens;
         ``positions``, ``req_indices`` and ``query_pos`` are the runner's
         per-token buffers over the step's tokens (``positions`` is rewritten
-        in place); ``query_start`` is ``[R]``.
+        in place); ``query_start`` is ``[R]``. Everything that needs a host
+        value comes from the scheduler's lists, never from a device tensor;
+        ``check_drafts`` (a debug option) compares the scheduled drafts with
+        the trees, which reads the trees back.
         """
         if not scheduled:
             return None
         req_ids = list(req_ids)
-        num_reqs = len(req_ids)
-        dev = positions.device
         counts = [len(scheduled.get(r, ())) for r in req_ids]
         if max(counts) > budget:
             raise DDTreeSeamError(f"DDTree: {max(counts)} draft nodes scheduled for one "
                                   f"request, but the tree budget is {budget}")
-        num_nodes = torch.tensor(counts, dtype=torch.int64, device=dev)
-        ar = torch.arange(budget, device=dev)
-        parents = ar.expand(num_reqs, budget).clone()  # chain: node j+1's parent is j
-        node_depth = (ar + 1).expand(num_reqs, budget).clone()
-        from_drafter = torch.zeros(num_reqs, dtype=torch.bool, device=dev)
-        expected = torch.zeros(num_reqs, dtype=torch.float64, device=dev)
-        rows, src = [], []
-        if trees is not None:
-            where = {rid: i for i, rid in enumerate(trees.req_ids)}
-            for r, rid in enumerate(req_ids):
-                if counts[r] > 0 and rid in where:
-                    rows.append(r)
-                    src.append(where[rid])
-        rnd = cls(req_ids, budget, depth, num_nodes, parents, from_drafter,
-                  from_drafter.clone(), False, expected)
-        if not rows:
+        where = {} if trees is None else {rid: i for i, rid in enumerate(trees.req_ids)}
+        src = [where.get(rid, -1) if n else -1 for rid, n in zip(req_ids, counts)]
+        tree_rows = tuple(r for r, i in enumerate(src) if i >= 0)
+        # Scheduled drafts that are not a tree of ours are verified as a chain.
+        chain_rows = any(n and i < 0 for n, i in zip(counts, src))
+        starts, total = [], 0
+        for n in counts:
+            starts.append(total)
+            total += n + 1
+        dev = positions.device
+        host = torch.tensor([counts, [max(i, 0) for i in src], [i >= 0 for i in src], starts],
+                            dtype=torch.int64)
+        num_nodes, src_t, fd, logit_start = host.to(dev, non_blocking=True).unbind(0)
+        from_drafter = fd.bool()
+        ar1 = torch.arange(budget + 1, device=dev)
+        rnd = cls(req_ids, budget, depth, num_nodes, _chain(len(req_ids), budget, dev),
+                  from_drafter, tree_rows,
+                  logit_start[:, None] + torch.minimum(ar1, num_nodes[:, None]), starts,
+                  torch.zeros(len(req_ids), dtype=torch.float64, device=dev))
+        if not tree_rows:
             return rnd
         tree = trees.tree
-        rows_t = torch.tensor(rows, device=dev)
-        src_t = torch.tensor(src, device=dev)
-        parents[rows_t] = tree.parents[src_t]
-        node_depth[rows_t] = tree.depth[src_t]
-        if dev.type == "cpu":  # free on CPU; off CPU it would sync every step
-            _check_scheduled_tokens(scheduled, req_ids, rows, tree.tokens[src_t])
-        in_sched = ar[None, :] < num_nodes[:, None]
-        from_drafter[rows_t] = True
+        parents = tree.parents.index_select(0, src_t)
+        node_depth = tree.depth.index_select(0, src_t)
+        if chain_rows:
+            chain_depth = rnd.parents + 1
+            parents = torch.where(from_drafter[:, None], parents, rnd.parents)
+            node_depth = torch.where(from_drafter[:, None], node_depth, chain_depth)
+        else:
+            rnd.tokens = tree.tokens.index_select(0, src_t)
+        rnd.parents = parents
+        if check_drafts:
+            _check_scheduled_tokens(scheduled, req_ids, tree_rows,
+                                    tree.tokens.index_select(0, src_t))
         if with_expected:
-            expected[rows_t] = (tree.logq[src_t].double().exp() * in_sched[rows_t]).sum(-1)
-        # A chain-shaped (prefix of the) tree is plain causal attention.
-        rnd.is_tree = ((parents != ar) & in_sched).any(-1)
-        rnd.any_tree = bool(rnd.is_tree.any()) if dev.type == "cpu" else True
-        if not rnd.any_tree:
-            return rnd
+            scheduled_node = ar1[None, 1:] <= num_nodes[:, None]
+            rnd.expected = (tree.logq.index_select(0, src_t).double().exp()
+                            * (scheduled_node & from_drafter[:, None])).sum(-1)
 
-        ridx, qpos = req_indices.long(), query_pos.long()
-        node = qpos.clamp(max=budget)
-        tok_tree = rnd.is_tree[ridx] & (qpos <= num_nodes[ridx])
-        depth_full = torch.cat([torch.zeros_like(node_depth[:, :1]), node_depth], dim=1)
-        rnd.seq_positions = positions.clone()
-        positions += torch.where(tok_tree, depth_full[ridx, node] - node, 0)
+        # Node j of a tree request is at position p0 + depth(j); every other
+        # token keeps its position (delta 0).
         anc = tree_ops.ancestor_mask(parents, node_depth)  # [R, 1+B, W]
-        rnd.info = TreeAttentionInfo.create(anc[ridx, node].contiguous(), rnd.is_tree)
+        delta = (F.pad(node_depth, (1, 0)) - ar1) * fd[:, None]
+        ridx, node = req_indices.long(), query_pos.long().clamp(max=budget)
+        rnd.seq_positions = positions.clone()
+        positions += delta[ridx, node]
+        rnd.info = TreeAttentionInfo.create(
+            anc[ridx, node], from_drafter, tree_rows,
+            max_tree_query_len=1 + max(counts[r] for r in tree_rows))
         rnd.query_start = query_start.long()
-        ar1 = torch.arange(budget + 1, device=dev)
-        rnd.capture_rows = (rnd.query_start[:, None]
-                            + torch.minimum(ar1[None, :], num_nodes[:, None])).flatten()
         return rnd
 
     # ------------------------------------------------------------ 2. attach
@@ -185,19 +199,19 @@ class TreeRound:
     # ------------------------------------------------------------ 3. forward
     @contextmanager
     def capturing(self, target_layers: Iterable[str]):
-        """Around the target forward: capture K/V for compaction, then check
-        that every target layer applied the mask and captured its write."""
+        """Around the target forward: note every target layer's cache (for
+        compaction), then check that every target layer applied the mask and
+        wrote its K/V through a DDTree impl."""
         if not self.any_tree:
             yield
             return
-        kv_capture.start(self.capture_rows, target_layers)
+        kv_capture.start(target_layers)
         try:
             yield
         finally:
             kv_capture.stop()
         missing = kv_capture.missing_layers()
         if missing:
-            kv_capture.clear()
             detail = "; ".join(f"{what}: {', '.join(names[:4])}"
                                + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
                                for what, names in missing.items())
@@ -217,41 +231,42 @@ class TreeRound:
         vLLM's per-request sampling metadata (``all_greedy``, ``temperature``,
         ``top_k``, ``top_p``, ``generators``). Returns ``[R, 1+B]``: the
         accepted path then the bonus token, -1 padded."""
-        num_reqs = len(num_draft_tokens)
-        dev = logits.device
-        counts = torch.tensor([n + 1 for n in num_draft_tokens], device=dev)
         if sampling.all_greedy:
             # What sample_posterior returns for greedy rows, without drawing noise.
             post_flat = logits.float().argmax(-1)
         else:
-            post_flat = _sample_nodes(logits, num_draft_tokens, sampling, counts)
-        starts = torch.cumsum(counts, 0) - counts
-        ar = torch.arange(self.budget + 1, device=dev)
-        post = post_flat[starts[:, None] + torch.minimum(ar[None, :], self.num_nodes[:, None])]
-        if draft_token_ids.numel():
-            draft_starts = starts - torch.arange(num_reqs, device=dev)  # no root rows
-            dr = (draft_starts[:, None] + ar[None, : self.budget]).clamp(
-                max=draft_token_ids.numel() - 1)
-            tokens = draft_token_ids.long()[dr]
-        else:
-            tokens = torch.full((num_reqs, self.budget), -1, device=dev, dtype=torch.long)
+            post_flat = _sample_nodes(logits, self.num_nodes, self.logit_starts,
+                                      sampling)
+        post = post_flat[self.logit_rows]
+        tokens = self.tokens
+        if tokens is None:
+            tokens = self._scheduled_drafts(draft_token_ids)
         res = tree_ops.walk(tokens, self.parents, post, num_nodes=self.num_nodes)
         self.path, self.num_accepted = res.path, res.num_accepted
+        if self.any_tree:
+            self.src_rows, self.dst_rows = compaction_rows(
+                self.path, self.num_accepted, self.query_start, self.depth)
         return res.output_tokens
+
+    def _scheduled_drafts(self, draft_token_ids: Tensor) -> Tensor:
+        """``[R, B]`` drafts from vLLM's flat list (rows past a request's own
+        drafts are never matched by the walk)."""
+        num_reqs, dev = self.num_nodes.shape[0], self.num_nodes.device
+        if not draft_token_ids.numel():
+            return torch.full((num_reqs, self.budget), -1, device=dev, dtype=torch.long)
+        starts = self.logit_rows[:, 0] - torch.arange(num_reqs, device=dev)  # no root rows
+        cols = torch.arange(self.budget, device=dev)
+        idx = (starts[:, None] + cols).clamp(max=draft_token_ids.numel() - 1)
+        return draft_token_ids.long()[idx]
 
     # ------------------------------------------------------------ 5. compact
     def compact(self, slot_mapping: Tensor) -> None:
         """Move accepted nodes' K/V from ``slot(p0 + path[k])`` to
-        ``slot(p0 + k)``; ``slot_mapping`` is the target group's, per token row."""
+        ``slot(p0 + k)`` in every target layer; ``slot_mapping`` is the target
+        group's, per token row."""
         if not self.any_tree:
             return
-        try:
-            moves = compaction_moves(self.path, self.num_accepted, self.is_tree, self.depth)
-            if slot_mapping.device.type == "cpu" and not bool(moves.move.any()):
-                return
-            kv_capture.compact(moves, self.query_start, self.budget + 1, slot_mapping)
-        finally:
-            kv_capture.clear()
+        kv_capture.compact(slot_mapping[self.src_rows], slot_mapping[self.dst_rows])
 
     # ------------------------------------------------------------ 6. condition
     def condition(self, aux_hidden_states: Sequence[Tensor] | None, positions: Tensor) -> None:
@@ -260,16 +275,8 @@ class TreeRound:
         gets its sequential values back."""
         if not self.any_tree or self.path is None:
             return
-        k = torch.arange(self.path.shape[1], device=self.path.device)[None, :]
-        # Only rows inside the request move; the others map onto the root row
-        # with its own value (duplicates then carry identical data).
-        inside = torch.where(k <= self.num_nodes[:, None], k, 0)
-        take = (k <= self.num_accepted[:, None]) & self.is_tree[:, None]
-        qs = self.query_start[:, None]
-        src = (qs + torch.where(take, self.path, inside)).flatten()
-        dst = (qs + inside).flatten()
         for h in aux_hidden_states or ():
-            h[dst] = h[src]
+            h.index_copy_(0, self.dst_rows, h.index_select(0, self.src_rows))
         positions[: self.seq_positions.shape[0]] = self.seq_positions
 
     # ------------------------------------------------------------ metrics
@@ -279,20 +286,34 @@ class TreeRound:
         return StepCounts(self.num_nodes, self.num_accepted, self.expected, self.from_drafter)
 
 
+_CHAINS: dict[tuple, Tensor] = {}
+
+
+def _chain(num_reqs: int, budget: int, device) -> Tensor:
+    """``[R, B]`` chain parents (node j+1's parent is j); a cached constant
+    expanded over the requests (read-only)."""
+    key = (budget, str(device))
+    if key not in _CHAINS:
+        _CHAINS[key] = torch.arange(budget, device=device)
+    return _CHAINS[key].expand(num_reqs, budget)
+
+
 def _check_scheduled_tokens(scheduled, req_ids, rows, tree_tokens) -> None:
-    for k, r in enumerate(rows):
+    have_all = tree_tokens.tolist()
+    for r in rows:
         sched = list(scheduled[req_ids[r]])
-        have = tree_tokens[k, : len(sched)].tolist()
+        have = have_all[r][: len(sched)]
         if have != sched:
             raise DDTreeSeamError(
                 f"DDTree: the scheduled drafts of request {req_ids[r]} are not a prefix of "
                 f"its tree (scheduled {sched[:8]}..., tree {have[:8]}...)")
 
 
-def _sample_nodes(logits: Tensor, num_draft_tokens: Sequence[int], sampling: Any,
-                  counts: Tensor) -> Tensor:
+def _sample_nodes(logits: Tensor, num_nodes: Tensor, logit_starts: list[int],
+                  sampling: Any) -> Tensor:
     """One draw per node row from its request's processed distribution."""
-    num_reqs, rows = len(num_draft_tokens), logits.shape[0]
+    num_reqs, rows = num_nodes.shape[0], logits.shape[0]
+    counts = num_nodes + 1
 
     def per_row(t):
         return None if t is None else torch.repeat_interleave(t[:num_reqs], counts,
@@ -301,10 +322,8 @@ def _sample_nodes(logits: Tensor, num_draft_tokens: Sequence[int], sampling: Any
     if temp is None:
         temp = torch.zeros(num_reqs, device=logits.device)
     gens = {}
-    offs = 0
-    for r, n in enumerate(num_draft_tokens):
-        if r in sampling.generators:
-            gens.update({offs + j: sampling.generators[r] for j in range(n + 1)})
-        offs += n + 1
+    ends = logit_starts[1:] + [rows]
+    for r, gen in sampling.generators.items():  # seeded requests only
+        gens.update(dict.fromkeys(range(logit_starts[r], ends[r]), gen))
     return tree_ops.sample_posterior(logits[:, None, :], per_row(temp), per_row(sampling.top_k),
                                      per_row(sampling.top_p), None, gens or None)[:, 0]

@@ -42,6 +42,8 @@ from vllm_ddtree.stats import CounterWriter, stats_file
 
 logger = init_logger("vllm.ddtree")
 
+ENV_DEBUG = "VLLM_DDTREE_DEBUG"
+
 
 class DDTreeRunnerMixin:
     """Mixed in front of vLLM's ``GPUModelRunner`` / ``CPUModelRunner``."""
@@ -62,6 +64,9 @@ class DDTreeRunnerMixin:
         # The last walked step, added to the metrics after the drafter launched.
         self.ddtree_unrecorded: StepCounts | None = None
         self.ddtree_stats = self._ddtree_open_stats()
+        # Per-step consistency checks that read device tensors back (debugging).
+        self.ddtree_debug = os.environ.get(ENV_DEBUG, "0").strip().lower() in ("1", "true",
+                                                                                "yes", "on")
         logger.info("DDTree: tree budget %d, drafter depth %d (block size %d)",
                     self.ddtree.budget, self.ddtree.depth, self.ddtree.block_size)
 
@@ -93,7 +98,7 @@ class DDTreeRunnerMixin:
             positions=self.positions[:total], req_indices=self.req_indices.gpu[:total],
             query_pos=self.query_pos.gpu[:total],
             query_start=self.query_start_loc.gpu[:num_reqs],
-            with_expected=self.ddtree_stats is not None)
+            with_expected=self.ddtree_stats is not None, check_drafts=self.ddtree_debug)
         return out
 
     def _build_attention_metadata(self, *args, **kwargs):

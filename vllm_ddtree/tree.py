@@ -192,12 +192,14 @@ def build_tree(logits: Tensor, budget: int, budgets: Tensor | None = None) -> Dr
     k = min(budget, vocab)
     top_lp, top_tok = lp.topk(k, dim=-1)  # [b, K, k], sorted descending
     plan = _plan(num_levels, k, budget, device)
-    lp_table = top_lp.flatten(1)  # [b, K * k]
+    # Every level's token log-probs, gathered at once: [b, sum c].
+    lp_cand = top_lp.flatten(1).index_select(1, plan.flat_rank)
 
     scores = top_lp[:, 0]
     all_scores, picks = [scores], []
     for d, level in enumerate(plan.levels, start=1):
-        cand = scores.index_select(1, level.slot) + lp_table.index_select(1, level.flat_rank)
+        c = level.slot.shape[0]
+        cand = scores.index_select(1, level.slot) + lp_cand[:, level.base: level.base + c]
         # the next depth's staircase relies on sorted parents; the last needs no order
         scores, pick = cand.topk(level.n, dim=-1, sorted=d < len(plan.levels))
         all_scores.append(scores)
@@ -249,7 +251,20 @@ def _num_doublings(budget: int) -> int:
     return max(0, (budget - 1).bit_length())
 
 
+_SELF_BITS: dict[tuple, Tensor] = {}
+
+
 def _self_bits(n: int, device) -> Tensor:
+    """:func:`_build_self_bits`, cached in eager mode (traced under torch.compile)."""
+    if torch.compiler.is_compiling():
+        return _build_self_bits(n, device)
+    key = (n, str(device))
+    if key not in _SELF_BITS:
+        _SELF_BITS[key] = _build_self_bits(n, device)
+    return _SELF_BITS[key]
+
+
+def _build_self_bits(n: int, device) -> Tensor:
     """``[n, W]`` int32: row i holds bit i (little-endian words) and the root bit."""
     words = (n + 31) // 32
     idx = torch.arange(n, device=device)
@@ -282,7 +297,7 @@ def ancestor_mask(
     par = parents.long()
     if valid is not None:
         par = torch.where(valid, par, 0)
-    par = torch.cat([par.new_zeros(b, 1), par], 1)  # the root is its own parent
+    par = torch.nn.functional.pad(par, (1, 0))  # the root is its own parent
     own = _self_bits(n, device)
     words = own.shape[1]
     anc = own.expand(b, n, words)
@@ -327,12 +342,14 @@ def walk(
     device = tree_tokens.device
     par = parents.long()
     post = post.long()
-    match = tree_tokens.long() == post.gather(1, par)
+    tokens = tree_tokens.long()
+    match = tokens == post.gather(1, par)
     flat = torch.arange(1, n, device=device)
     if num_nodes is not None:
-        match = match & (flat[None, :] <= num_nodes.to(device)[:, None])
-    ok = torch.cat([match.new_ones(b, 1), match], 1)  # [b, n], root accepted
-    jump = torch.cat([par.new_zeros(b, 1), par], 1)
+        match = match & (flat <= num_nodes.to(device)[:, None])
+    pad = torch.nn.functional.pad
+    ok = pad(match, (1, 0), value=True)  # [b, n], root accepted
+    jump = pad(par, (1, 0))
     for _ in range(_num_doublings(budget)):
         ok = ok & ok.gather(1, jump)
         jump = jump.gather(1, jump)
@@ -340,22 +357,15 @@ def walk(
     num_accepted = ok.sum(1)
 
     # Accepted nodes form a chain and parents precede children, so their
-    # depth order is their flat order: scatter each to its running count.
-    rank = torch.cumsum(ok.long(), 1)
-    target = torch.where(ok, rank, n)  # column n is a dump slot
-    buf = torch.full((b, n + 1), -1, dtype=torch.long, device=device)
-    buf[:, 0] = 0
-    buf = buf.scatter(1, target, flat.expand(b, budget))
-    path = buf[:, :n]
-
+    # depth order is their flat order: node of rank k (1-based) sits at path
+    # column k and emits output column k - 1; the rest go to a dump column.
+    rank = torch.where(ok, torch.cumsum(ok, 1), n)
+    path = pad(torch.full_like(tokens, -1), (1, 1), value=0)  # [b, n + 1]; column 0 = root
+    path = path.scatter(1, rank, flat.expand(b, budget))[:, :n]
     last = path.gather(1, num_accepted[:, None])
-    bonus = post.gather(1, last)  # [b, 1]
-    full_tokens = torch.cat([tree_tokens.new_zeros(b, 1), tree_tokens.long()], 1)
-    nxt = torch.cat([path[:, 1:], path.new_full((b, 1), -1)], 1)
-    col = torch.arange(n, device=device)[None, :]
-    a = num_accepted[:, None]
-    out = torch.where(col < a, full_tokens.gather(1, nxt.clamp(min=0)), -1)
-    out = torch.where(col == a, bonus, out)
+    out = torch.full((b, n + 1), -1, dtype=torch.long, device=device)
+    out = out.scatter(1, rank - ok.long(), tokens)  # accepted: rank - 1; others: n (dump)
+    out = out.scatter(1, num_accepted[:, None], post.gather(1, last))[:, :n]
     return WalkResult(out, num_accepted, path)
 
 

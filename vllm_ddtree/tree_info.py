@@ -25,16 +25,24 @@ class TreeAttentionInfo:
     device. ``plans``: per-step data derived once and shared by every layer
     (e.g. the CPU batched plan), keyed by the backend.
 
+    The runner also passes the host-side facts it already has, so that no
+    backend has to read them back from the device: ``tree_reqs`` (the indices
+    where ``is_tree`` is set) and ``max_tree_query_len`` (the longest query of
+    a tree request).
+
     Build it with :meth:`create`, which validates shapes and dtypes.
     """
 
     mask: torch.Tensor
     is_tree: torch.Tensor
     _tree_reqs: tuple[int, ...] | None = field(default=None, repr=False)
+    max_tree_query_len: int | None = None
     plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def create(cls, mask: torch.Tensor, is_tree: torch.Tensor) -> TreeAttentionInfo:
+    def create(cls, mask: torch.Tensor, is_tree: torch.Tensor,
+               tree_reqs: tuple[int, ...] | None = None,
+               max_tree_query_len: int | None = None) -> TreeAttentionInfo:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.int32:
             raise TypeError(f"TreeAttentionInfo.mask must be an int32 tensor, got "
                             f"{getattr(mask, 'dtype', type(mask))}")
@@ -50,11 +58,16 @@ class TreeAttentionInfo:
         if is_tree.device != mask.device:
             raise ValueError(f"TreeAttentionInfo.is_tree is on {is_tree.device} but mask is "
                              f"on {mask.device}")
-        return cls(mask=mask, is_tree=is_tree)
+        if tree_reqs is not None and len(tree_reqs) and max(tree_reqs) >= is_tree.shape[0]:
+            raise ValueError(f"TreeAttentionInfo.tree_reqs {tree_reqs} out of range for "
+                             f"{is_tree.shape[0]} requests")
+        return cls(mask=mask, is_tree=is_tree, _tree_reqs=tree_reqs,
+                   max_tree_query_len=max_tree_query_len)
 
     def tree_reqs(self) -> tuple[int, ...]:
-        """Indices of the tree requests (host side; computed once per step,
-        which syncs off CPU: only the CPU path asks)."""
+        """Indices of the tree requests on the host: as given to
+        :meth:`create` (the runner always gives them), else read from
+        ``is_tree`` once (a device sync off CPU)."""
         if self._tree_reqs is None:
             self._tree_reqs = tuple(i for i, f in enumerate(self.is_tree.tolist()) if f)
         return self._tree_reqs

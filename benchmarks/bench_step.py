@@ -1,0 +1,345 @@
+"""Per-step cost of a verification step: DFlash chain vs DDTree at the same width.
+
+    python -m benchmarks.bench_step --concurrency 1 4 16 --rounds 3
+
+Two offline engines (the chain with K draft tokens, DDTree with budget B = K,
+so both verify 1 + K tokens per request) run in two worker processes that are
+alive at once, compiled (vLLM's default). The driver interleaves them (chain,
+tree, chain, tree, ...), so machine noise hits both alike. Each worker runs
+its engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and times the
+model runner's hooks per step:
+
+======================  =====================================================
+stage                   what it covers
+======================  =====================================================
+``step``                ``execute_model`` + ``sample_tokens`` (the runner's
+                        whole step, scheduler and detokenizer excluded)
+``prepare``             ``_prepare_inputs`` (vLLM's inputs, then DDTree's plan)
+``plan``                ``TreeRound.plan`` (positions, match, mask; DDTree)
+``mask``                ``tree.ancestor_mask`` (inside ``plan``)
+``metadata``            ``_build_attention_metadata`` (+ ``TreeRound.attach``)
+``forward``             ``_model_forward``: the target forward
+``attention``           the target's attention calls (inside ``forward``)
+``verify``              ``_sample``: rejection sampler, or DDTree's node
+                        samples, walk and compaction
+``walk``                ``tree.walk`` (inside ``verify``)
+``compaction``          ``TreeRound.compact`` (inside ``verify``)
+``draft``               ``propose_draft_token_ids``: the drafter
+``condition``           ``TreeRound.condition`` (inside ``draft``)
+``build``               ``build_tree`` (inside ``draft``)
+======================  =====================================================
+
+Only steps in which every one of the ``c`` requests of a round is verifying
+drafts (no prefill, none finished yet) count. Per (arm, concurrency) the
+script reports the median over rounds of each round's median per stage, the
+tree/chain ratio of the step time, and tokens/s and acceptance length of the
+same runs. Results: ``benchmarks/results/step_<tag>.json`` and a Markdown
+table on stdout (``--markdown`` writes it to a file too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+STAGES = ["step", "prepare", "plan", "mask", "metadata", "forward", "attention", "verify",
+          "walk", "compaction", "draft", "condition", "build"]
+
+
+# ---------------------------------------------------------------------------
+# Worker: one engine, instrumented
+# ---------------------------------------------------------------------------
+
+
+class StepTimer:
+    """Per-step stage times of one runner (seconds), recorded on the host."""
+
+    def __init__(self) -> None:
+        self.cur: dict[str, float] | None = None
+        self.steps: list[dict] = []
+        self.in_forward = False
+        self.keep = False
+
+    def timed(self, fn, stage: str):
+        """``fn``, adding its wall time to ``stage`` of the current step."""
+        timer = self
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if timer.cur is not None:
+                    timer.cur[stage] = timer.cur.get(stage, 0.0) + time.perf_counter() - t0
+
+        return timed
+
+    def wrap(self, owner, name: str, stage: str) -> None:
+        setattr(owner, name, self.timed(getattr(owner, name), stage))
+
+
+def _instrument(llm, timer: StepTimer, ddtree: bool, c_ref: list[int]):
+    import vllm_ddtree.proposer as proposer_mod
+    import vllm_ddtree.tree as tree_mod
+    from vllm.model_executor.layers.attention import Attention
+
+    core = llm.llm_engine.engine_core.engine_core
+    runner = core.model_executor.driver_worker.worker.model_runner
+
+    execute = runner.execute_model
+    sample_tokens = runner.sample_tokens
+
+    def execute_model(scheduler_output, *args, **kwargs):
+        so = scheduler_output
+        spec = so.scheduled_spec_decode_tokens
+        n = so.num_scheduled_tokens
+        verifying = (not so.scheduled_new_reqs and len(n) == c_ref[0] and len(spec) == len(n)
+                     and all(n[r] == 1 + len(spec[r]) for r in n))
+        timer.keep = verifying
+        timer.cur = {"_t0": time.perf_counter()}
+        return execute(scheduler_output, *args, **kwargs)
+
+    def sample(*args, **kwargs):
+        try:
+            return sample_tokens(*args, **kwargs)
+        finally:
+            cur, timer.cur = timer.cur, None
+            if cur is not None and timer.keep:
+                cur["step"] = time.perf_counter() - cur.pop("_t0")
+                timer.steps.append(cur)
+
+    runner.execute_model = execute_model
+    runner.sample_tokens = sample
+    timer.wrap(runner, "_prepare_inputs", "prepare")
+    timer.wrap(runner, "_build_attention_metadata", "metadata")
+    timer.wrap(runner, "_sample", "verify")
+    timer.wrap(runner, "propose_draft_token_ids", "draft")
+
+    fwd = timer.timed(runner._model_forward, "forward")
+
+    def model_forward(*args, **kwargs):
+        timer.in_forward = True
+        try:
+            return fwd(*args, **kwargs)
+        finally:
+            timer.in_forward = False
+
+    runner._model_forward = model_forward
+
+    seen = set()
+    for module in runner.model.modules():
+        if isinstance(module, Attention) and id(module.impl) not in seen:
+            seen.add(id(module.impl))
+            inner = module.impl.forward
+            timed = timer.timed(inner, "attention")
+
+            def attn_forward(*args, _inner=inner, _timed=timed, **kwargs):
+                # the target's layers only: the drafter's run outside _model_forward
+                return (_timed if timer.in_forward else _inner)(*args, **kwargs)
+
+            module.impl.forward = attn_forward
+
+    if ddtree:
+        from vllm_ddtree.round import TreeRound
+
+        TreeRound.plan = classmethod(timer.timed(TreeRound.plan.__func__, "plan"))
+        timer.wrap(TreeRound, "compact", "compaction")
+        timer.wrap(TreeRound, "condition", "condition")
+        timer.wrap(tree_mod, "ancestor_mask", "mask")
+        timer.wrap(tree_mod, "walk", "walk")
+        timer.wrap(proposer_mod, "build_tree", "build")
+
+
+def worker(arm: dict, conn) -> None:
+    """Build one engine, then serve ``("run", prompts, c, max_tokens)``
+    requests on ``conn`` until ``("stop",)``."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        from vllm import LLM
+
+        llm = LLM(model=arm["target"], speculative_config=arm["spec"], dtype="float32",
+                  max_model_len=2048, seed=0, enable_prefix_caching=False,
+                  max_num_seqs=max(arm["max_c"], 1), disable_log_stats=False)
+        timer = StepTimer()
+        c_ref = [0]
+        _instrument(llm, timer, arm["spec"]["method"] == "ddtree", c_ref)
+        conn.send(("ready",))
+    except Exception as e:  # report, then exit
+        conn.send(("error", repr(e)))
+        raise
+    while True:
+        msg = conn.recv()
+        if msg[0] == "stop":
+            break
+        _, prompts, c, max_tokens = msg
+        try:
+            conn.send(("done", _run(llm, timer, c_ref, prompts, c, max_tokens)))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+            raise
+    conn.close()
+
+
+def _run(llm, timer: StepTimer, c_ref: list[int], prompts, c: int, max_tokens: int) -> dict:
+    from vllm import SamplingParams
+
+    from benchmarks.run_llm import spec_metrics
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    before = spec_metrics(llm)
+    timer.steps.clear()
+    c_ref[0] = c
+    t0 = time.perf_counter()
+    outputs, tokens = [], 0
+    for i in range(0, len(prompts), c):
+        res = llm.generate(prompts[i:i + c], sp, use_tqdm=False)
+        outputs += [list(r.outputs[0].token_ids) for r in res]
+        tokens += sum(len(r.outputs[0].token_ids) for r in res)
+    seconds = time.perf_counter() - t0
+    after = spec_metrics(llm)
+    drafts = after["drafts"] - before["drafts"]
+    accepted = after["accepted"] - before["accepted"]
+    return {"steps": list(timer.steps), "seconds": seconds, "tokens": tokens,
+            "tau": 1 + accepted / drafts if drafts else None, "outputs": outputs}
+
+
+# ---------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Median over rounds of each round's per-stage median (milliseconds)."""
+    per_stage = defaultdict(list)
+    for run in runs:
+        steps = run["steps"]
+        if not steps:
+            continue
+        for s in STAGES:
+            per_stage[s].append(statistics.median(st.get(s, 0.0) for st in steps) * 1e3)
+    out = {s: statistics.median(v) for s, v in per_stage.items()}
+    out["steps"] = sum(len(r["steps"]) for r in runs)
+    out["tok_s"] = statistics.median(r["tokens"] / r["seconds"] for r in runs)
+    taus = [r["tau"] for r in runs if r["tau"] is not None]
+    out["tau"] = statistics.median(taus) if taus else None
+    return out
+
+
+def markdown(results: dict, concurrencies, k: int) -> str:
+    lines = []
+    for c in concurrencies:
+        chain, tree = results["chain"][c], results["ddtree"][c]
+        lines.append(f"\n**c = {c}** (chain K = {k}, DDTree B = {k}; medians, ms per step; "
+                     f"{chain['steps']} / {tree['steps']} steps)\n")
+        lines.append("| stage | chain | DDTree | DDTree - chain |")
+        lines.append("| --- | ---: | ---: | ---: |")
+        for s in STAGES:
+            a, b = chain.get(s, 0.0), tree.get(s, 0.0)
+            if a == 0.0 and b == 0.0:
+                continue
+            lines.append(f"| {s} | {a:.3f} | {b:.3f} | {b - a:+.3f} |")
+        ratio = tree["step"] / chain["step"]
+        lines.append(f"| **step ratio** | | **{ratio:.3f}x** | |")
+        lines.append(f"| tokens/s | {chain['tok_s']:.0f} | {tree['tok_s']:.0f} | "
+                     f"{tree['tok_s'] / chain['tok_s']:.2f}x |")
+        lines.append(f"| tau | {chain['tau']:.2f} | {tree['tau']:.2f} | |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default=str(ROOT / "models" / "tiny-qwen3"))
+    p.add_argument("--drafter", default=str(ROOT / "models" / "tiny-qwen3-dflash"))
+    p.add_argument("--k", type=int, default=15, help="chain K = DDTree budget B (default 15)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--c1-requests", type=int, default=4,
+                   help="sequential requests per round at concurrency 1 (default 4)")
+    p.add_argument("--tag", default="latest")
+    p.add_argument("--markdown", help="also write the Markdown table to this file")
+    args = p.parse_args(argv)
+
+    from benchmarks.run_llm import humaneval_prompts
+
+    pool = humaneval_prompts(164)
+    max_c = max(args.concurrency)
+    arms = {
+        "chain": {"method": "dflash", "model": args.drafter, "num_speculative_tokens": args.k},
+        "ddtree": {"method": "ddtree", "model": args.drafter, "num_speculative_tokens": args.k},
+    }
+    ctx = mp.get_context("spawn")
+    procs, conns = {}, {}
+    for name, spec in arms.items():
+        parent, child = ctx.Pipe()
+        arm = {"target": args.target, "spec": spec, "max_c": max_c}
+        procs[name] = ctx.Process(target=worker, args=(arm, child), name=f"bench-{name}")
+        procs[name].start()
+        conns[name] = parent
+    try:
+        for name, conn in conns.items():
+            msg = conn.recv()
+            if msg[0] != "ready":
+                raise RuntimeError(f"{name} engine failed to start: {msg[1]}")
+        print(f"engines ready: {', '.join(arms)}", file=sys.stderr, flush=True)
+        raw = {name: defaultdict(list) for name in arms}
+        offset = 0
+        for r in range(args.rounds):
+            for c in args.concurrency:
+                n = c * (args.c1_requests if c == 1 else 1)
+                prompts = [pool[(offset + i) % len(pool)] for i in range(n)]
+                offset += n
+                outs = {}
+                for name, conn in conns.items():  # interleaved: chain, tree, chain, ...
+                    conn.send(("run", prompts, c, args.max_tokens))
+                    msg = conn.recv()
+                    if msg[0] != "done":
+                        raise RuntimeError(f"{name} engine failed:\n{msg[1]}")
+                    run = msg[1]
+                    outs[name] = run.pop("outputs")
+                    raw[name][c].append(run)
+                    print(f"round {r + 1}/{args.rounds} c={c} {name}: {len(run['steps'])} "
+                          f"steps, {run['tokens'] / run['seconds']:.0f} tok/s",
+                          file=sys.stderr, flush=True)
+                if outs["chain"] != outs["ddtree"]:
+                    raise RuntimeError(f"greedy outputs differ between the arms at c={c}: "
+                                       f"the benchmark would compare different work")
+    finally:
+        for conn in conns.values():
+            try:
+                conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in procs.values():
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+
+    results = {name: {c: summarize(runs) for c, runs in by_c.items()}
+               for name, by_c in raw.items()}
+    table = markdown(results, args.concurrency, args.k)
+    print(table)
+    outdir = ROOT / "benchmarks" / "results"
+    outdir.mkdir(parents=True, exist_ok=True)
+    (outdir / f"step_{args.tag}.json").write_text(json.dumps(
+        {"args": vars(args), "summary": results, "raw": raw}, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

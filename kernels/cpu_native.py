@@ -1,0 +1,182 @@
+"""The native CPU tree-attention kernel (``tree_attention_cpu.c``): build, load, call.
+
+The kernel is plain C with no Python or torch headers, so it compiles in a
+second or two with the system C compiler (the one vLLM CPU's torch.compile
+needs anyway). It is built on first use into a per-user cache directory
+(``$VLLM_DDTREE_CACHE``, default ``~/.cache/vllm_ddtree``), under a name that
+hashes the source, the compiler command and the CPU, so that a changed source
+or another machine never loads a stale build. The build writes to a
+temporary file and renames it, so concurrent engines do not race.
+
+:func:`load` returns None (and says why once, through vLLM's logger when
+available) when no compiler is found or the build fails; the CPU backend then
+falls back to the batched torch path, which is correct but slower.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["ENV_CACHE", "ENV_DISABLE", "NativeTreeAttention", "load", "tree_attention_native"]
+
+ENV_CACHE = "VLLM_DDTREE_CACHE"
+ENV_DISABLE = "VLLM_DDTREE_NO_NATIVE"
+SOURCE = Path(__file__).with_name("tree_attention_cpu.c")
+FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=gnu11"]
+KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+logger = logging.getLogger("vllm.ddtree")
+
+_LOADED: dict[str, object] = {}
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "vllm_ddtree")
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+class NativeTreeAttention:
+    """The loaded shared library, with its one entry point typed."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        fn = lib.ddtree_tree_attention
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+        fn.argtypes = [p, i64, i64, p, i32, i64, i64, i64, p, i64, p, p, p, i64, p, i64, i64,
+                       ctypes.c_float, p, i64, i64]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+        self._lib = lib
+
+    def __call__(self, *args) -> int:
+        return self._fn(*args)
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compile the kernel (or find the cached build) and return its path."""
+    cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([cc, *FLAGS]).encode() + _cpu_id().encode())
+    out = _cache_dir() / f"tree_attention_cpu-{key.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def load() -> NativeTreeAttention | None:
+    """The kernel, built on first use; None (reason logged once) when it
+    cannot be built or ``VLLM_DDTREE_NO_NATIVE=1``."""
+    if "lib" in _LOADED:
+        return _LOADED["lib"]  # type: ignore[return-value]
+    lib = None
+    if os.environ.get(ENV_DISABLE, "").strip().lower() in ("1", "true", "yes", "on"):
+        logger.info("DDTree: native CPU tree attention disabled by %s; using the torch path",
+                    ENV_DISABLE)
+    else:
+        try:
+            lib = NativeTreeAttention(build())
+        except Exception as e:  # any build or load failure: fall back, loudly
+            logger.warning("DDTree: the native CPU tree-attention kernel is unavailable "
+                           "(%s); tree rows use the slower torch path", e)
+    _LOADED["lib"] = lib
+    return lib
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def tree_attention_native(
+    lib: NativeTreeAttention,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tree_reqs: torch.Tensor,
+    tree_mask: torch.Tensor,
+    scale: float,
+    output: torch.Tensor,
+) -> torch.Tensor:
+    """Write the rows of the requests ``tree_reqs`` (int64) of ``output``.
+
+    ``query``/``output``: ``[num_tokens, Hq, D]`` float32 with a unit stride
+    in D; ``kv_cache``: one layer's contiguous "vec" cache ``[num_blocks, Hk,
+    block_size, 2 * D]`` (float32 or bfloat16); ``block_table`` ``[R, *]``,
+    ``query_start_loc`` ``[R + 1]`` and ``seq_lens`` ``[R]`` int32;
+    ``tree_mask`` ``[num_tokens, W]`` int32, contiguous.
+    """
+    num_blocks, num_kv_heads, block_size, two_d = kv_cache.shape
+    head_size = two_d // 2
+    for name, t, dtype in (("query", query, torch.float32), ("output", output, torch.float32),
+                           ("block_table", block_table, torch.int32),
+                           ("query_start_loc", query_start_loc, torch.int32),
+                           ("seq_lens", seq_lens, torch.int32),
+                           ("tree_reqs", tree_reqs, torch.int64),
+                           ("tree_mask", tree_mask, torch.int32)):
+        if t.dtype != dtype or t.device.type != "cpu":
+            raise TypeError(f"tree_attention_native: {name} must be a CPU {dtype} tensor, "
+                            f"got {t.dtype} on {t.device}")
+    if kv_cache.dtype not in KV_DTYPES or not kv_cache.is_contiguous():
+        raise TypeError(f"tree_attention_native: kv_cache must be a contiguous float32 or "
+                        f"bfloat16 tensor, got {kv_cache.dtype}")
+    if query.stride(2) != 1 or output.stride(2) != 1 or query.shape[2] != head_size:
+        raise ValueError("tree_attention_native: query/output must be [tokens, heads, "
+                         f"{head_size}] with a unit stride in the last dimension")
+    for name, t in (("block_table", block_table), ("tree_mask", tree_mask)):
+        if t.stride(1) != 1:
+            raise ValueError(f"tree_attention_native: {name} must have unit column stride")
+    if not (query_start_loc.is_contiguous() and seq_lens.is_contiguous()
+            and tree_reqs.is_contiguous()):
+        raise ValueError("tree_attention_native: query_start_loc, seq_lens and tree_reqs "
+                         "must be contiguous")
+    status = lib(
+        _ptr(query), query.stride(0), query.stride(1),
+        _ptr(kv_cache), KV_DTYPES[kv_cache.dtype], num_kv_heads, block_size, head_size,
+        _ptr(block_table), block_table.stride(0),
+        _ptr(query_start_loc), _ptr(seq_lens), _ptr(tree_reqs), tree_reqs.numel(),
+        _ptr(tree_mask), tree_mask.shape[1], query.shape[1], float(scale),
+        _ptr(output), output.stride(0), output.stride(1),
+    )  # fmt: skip
+    if status != 0:
+        raise ValueError(
+            {-1: "bad head counts, block size or cache dtype",
+             -2: "a tree request's query is longer than its sequence or its mask",
+             -3: "out of memory"}.get(status, f"status {status}")
+            + " (tree_attention_native)")
+    return output

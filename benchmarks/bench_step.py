@@ -26,7 +26,8 @@ stage                   what it covers
 ``compaction``          ``TreeRound.compact`` (inside ``verify``)
 ``draft``               ``propose_draft_token_ids``: the drafter
 ``condition``           ``TreeRound.condition`` (inside ``draft``)
-``build``               ``build_tree`` (inside ``draft``)
+``build``               ``build_tree`` or its native CPU kernel (inside
+                        ``draft``; the log-softmax before it is not included)
 ======================  =====================================================
 
 Only steps in which every one of the ``c`` requests of a round is verifying
@@ -158,6 +159,7 @@ def _instrument(llm, timer: StepTimer, ddtree: bool, c_ref: list[int]):
         timer.wrap(tree_mod, "ancestor_mask", "mask")
         timer.wrap(tree_mod, "walk", "walk")
         timer.wrap(proposer_mod, "build_tree", "build")
+        timer.wrap(proposer_mod.cpu_native, "build_tree_native", "build")
 
 
 def worker(arm: dict, conn) -> None:

@@ -1,6 +1,9 @@
-"""The native CPU tree-attention kernel (``tree_attention_cpu.c``): build, load, call.
+"""The native CPU kernels (``tree_attention_cpu.c``): build, load, call.
 
-The kernel is plain C with no Python or torch headers, so it compiles in a
+Two entry points: tree attention over vLLM's paged CPU cache
+(:func:`tree_attention_native`) and tree construction
+(:func:`build_tree_native`, the same trees as
+:func:`vllm_ddtree.tree.build_tree`). The file is plain C with no Python or torch headers, so it compiles in a
 second or two with the system C compiler (the one vLLM CPU's torch.compile
 needs anyway). It is built on first use into a per-user cache directory
 (``$VLLM_DDTREE_CACHE``, default ``~/.cache/vllm_ddtree``), under a name that
@@ -27,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ENV_CACHE", "ENV_DISABLE", "NativeTreeAttention", "load", "tree_attention_native"]
+__all__ = ["ENV_CACHE", "ENV_DISABLE", "NativeKernels", "build_tree_native", "load",
+           "tree_attention_native"]
 
 ENV_CACHE = "VLLM_DDTREE_CACHE"
 ENV_DISABLE = "VLLM_DDTREE_NO_NATIVE"
@@ -55,22 +59,26 @@ def _cpu_id() -> str:
     return platform.processor()
 
 
-class NativeTreeAttention:
-    """The loaded shared library, with its one entry point typed."""
+class NativeKernels:
+    """The loaded shared library, its entry points typed."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))
-        fn = lib.ddtree_tree_attention
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
-        fn.argtypes = [p, i64, i64, p, i32, i64, i64, i64, p, i64, p, p, p, i64, p, i64, i64,
-                       ctypes.c_float, p, i64, i64]
-        fn.restype = ctypes.c_int
-        self._fn = fn
+        attn = lib.ddtree_tree_attention
+        attn.argtypes = [p, i64, i64, p, i32, i64, i64, i64, p, i64, p, p, p, i64, p, i64, i64,
+                         ctypes.c_float, p, i64, i64]
+        attn.restype = ctypes.c_int
+        build = lib.ddtree_build_tree
+        build.argtypes = [p, i64, i64, i64, i64, p, p, p, p, p, p]
+        build.restype = ctypes.c_int
+        self.attention = attn
+        self.build_tree = build
         self._lib = lib
 
     def __call__(self, *args) -> int:
-        return self._fn(*args)
+        return self.attention(*args)
 
 
 def build(compiler: str | None = None) -> Path:
@@ -98,7 +106,7 @@ def build(compiler: str | None = None) -> Path:
     return out
 
 
-def load() -> NativeTreeAttention | None:
+def load() -> NativeKernels | None:
     """The kernel, built on first use; None (reason logged once) when it
     cannot be built or ``VLLM_DDTREE_NO_NATIVE=1``."""
     if "lib" in _LOADED:
@@ -109,10 +117,10 @@ def load() -> NativeTreeAttention | None:
                     ENV_DISABLE)
     else:
         try:
-            lib = NativeTreeAttention(build())
+            lib = NativeKernels(build())
         except Exception as e:  # any build or load failure: fall back, loudly
-            logger.warning("DDTree: the native CPU tree-attention kernel is unavailable "
-                           "(%s); tree rows use the slower torch path", e)
+            logger.warning("DDTree: the native CPU kernels are unavailable (%s); tree "
+                           "attention and tree construction use the slower torch paths", e)
     _LOADED["lib"] = lib
     return lib
 
@@ -122,7 +130,7 @@ def _ptr(t: torch.Tensor) -> int:
 
 
 def tree_attention_native(
-    lib: NativeTreeAttention,
+    lib: NativeKernels,
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -180,3 +188,33 @@ def tree_attention_native(
              -3: "out of memory"}.get(status, f"status {status}")
             + " (tree_attention_native)")
     return output
+
+
+def build_tree_native(lib: NativeKernels, logprobs: torch.Tensor, budget: int,
+                      budgets: torch.Tensor | None = None):
+    """:func:`vllm_ddtree.tree.build_tree` on CPU in one native call.
+
+    ``logprobs`` is the drafter's log-softmax ``[b, K, V]`` (float32, CPU);
+    returns ``(tokens, parents, depth, logq, valid)`` as ``build_tree`` does
+    (the same trees; prefixes whose scores tie exactly may come in another
+    order). ``budgets`` (optional ``[b]`` int64) as in ``build_tree``."""
+    if logprobs.dtype != torch.float32 or logprobs.device.type != "cpu" or logprobs.dim() != 3:
+        raise TypeError(f"build_tree_native: logprobs must be a CPU float32 [b, K, V] "
+                        f"tensor, got {logprobs.dtype} {tuple(logprobs.shape)} on "
+                        f"{logprobs.device}")
+    lp = logprobs.contiguous()
+    b, num_levels, vocab = lp.shape
+    budget = int(budget)
+    if budgets is not None:
+        budgets = budgets.to(device="cpu", dtype=torch.int64).contiguous()
+    tokens = torch.empty(b, budget, dtype=torch.int64)
+    parents = torch.empty(b, budget, dtype=torch.int64)
+    depth = torch.empty(b, budget, dtype=torch.int64)
+    logq = torch.empty(b, budget, dtype=torch.float32)
+    valid = torch.empty(b, budget, dtype=torch.bool)
+    status = lib.build_tree(_ptr(lp), b, num_levels, vocab, budget,
+                            None if budgets is None else _ptr(budgets), _ptr(tokens),
+                            _ptr(parents), _ptr(depth), _ptr(logq), _ptr(valid))
+    if status != 0:
+        raise ValueError(f"build_tree_native: status {status} (bad sizes or out of memory)")
+    return tokens, parents, depth, logq, valid

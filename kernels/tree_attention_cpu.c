@@ -216,3 +216,140 @@ int ddtree_tree_attention(
   }
   return status;
 }
+
+/* ------------------------------------------------------------------------
+ * Tree construction on CPU: the `budget` most probable prefixes per request.
+ *
+ * The semantics of vllm_ddtree.tree.build_tree: `lp` holds the drafter's
+ * per-position log-probabilities [b, K, V] (float32, log-softmax already
+ * applied); prefix u = (u_1..u_d) scores sum_i lp[i][u_i], accumulated in
+ * depth order in fp32. Nodes come out in flat order: score descending,
+ * parents before children; tail columns past the available prefixes or the
+ * request's own budget are invalid (token 0, parent 0, depth 1, -inf).
+ *
+ * Per request: the top k = min(budget, V) tokens of each position (ties:
+ * lower token id first), then a best-first enumeration. Every prefix has one
+ * generator, (.., j-1) -> (.., j) or (..) -> (.., 0), and both moves never
+ * raise the score, so popping a max-heap yields the prefixes in descending
+ * order, each parent before its children.
+ * ---------------------------------------------------------------------- */
+
+typedef struct {
+  float score;
+  int32_t depth;  /* 1..K */
+  int32_t rank;   /* rank of the last token within its position's top k */
+  int32_t parent; /* flat index of the parent (0 = root) */
+  int64_t order;  /* push order: ties pop first-pushed first */
+} cand_t;
+
+static int cand_before(const cand_t *a, const cand_t *b) { /* a pops before b */
+  if (a->score != b->score) return a->score > b->score;
+  if (a->depth != b->depth) return a->depth < b->depth;
+  return a->order < b->order;
+}
+
+static void heap_push(cand_t *h, int64_t *n, cand_t c) {
+  int64_t i = (*n)++;
+  while (i > 0) {
+    int64_t p = (i - 1) / 2;
+    if (!cand_before(&c, &h[p])) break;
+    h[i] = h[p];
+    i = p;
+  }
+  h[i] = c;
+}
+
+static cand_t heap_pop(cand_t *h, int64_t *n) {
+  cand_t top = h[0], last = h[--(*n)];
+  int64_t i = 0;
+  for (;;) {
+    int64_t c = 2 * i + 1;
+    if (c >= *n) break;
+    if (c + 1 < *n && cand_before(&h[c + 1], &h[c])) c++;
+    if (!cand_before(&h[c], &last)) break;
+    h[i] = h[c];
+    i = c;
+  }
+  if (*n > 0) h[i] = last;
+  return top;
+}
+
+/* Returns 0, or a negative value on bad arguments. */
+int ddtree_build_tree(const float *lp, int64_t batch, int64_t num_levels, int64_t vocab,
+                      int64_t budget, const int64_t *budgets, int64_t *tokens,
+                      int64_t *parents, int64_t *depth, float *logq, uint8_t *valid) {
+  if (batch < 0 || num_levels <= 0 || vocab <= 0 || budget <= 0) return -1;
+  const int64_t k = budget < vocab ? budget : vocab;
+  int status = 0;
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t b = 0; b < batch; ++b) {
+    float *top_lp = malloc(sizeof(float) * num_levels * k);
+    int64_t *top_tok = malloc(sizeof(int64_t) * num_levels * k);
+    cand_t *heap = malloc(sizeof(cand_t) * (2 * budget + 2));
+    float *score_of = malloc(sizeof(float) * (budget + 1)); /* per flat node */
+    if (!top_lp || !top_tok || !heap || !score_of) {
+#pragma omp atomic write
+      status = -3;
+      free(top_lp); free(top_tok); free(heap); free(score_of);
+      continue;
+    }
+    score_of[0] = 0.f;
+    /* top k per position by insertion into a sorted list (k is small) */
+    for (int64_t d = 0; d < num_levels; ++d) {
+      const float *row = lp + (b * num_levels + d) * vocab;
+      float *tv = top_lp + d * k;
+      int64_t *ti = top_tok + d * k;
+      int64_t n = 0;
+      for (int64_t v = 0; v < vocab; ++v) {
+        const float x = row[v];
+        if (n == k && !(x > tv[k - 1])) continue; /* ties keep the lower id */
+        int64_t i = n < k ? n++ : k - 1;
+        while (i > 0 && x > tv[i - 1]) {
+          tv[i] = tv[i - 1];
+          ti[i] = ti[i - 1];
+          --i;
+        }
+        tv[i] = x;
+        ti[i] = v;
+      }
+    }
+    const int64_t own = budgets ? (budgets[b] < budget ? budgets[b] : budget) : budget;
+    int64_t hn = 0, pushes = 0, m = 0;
+    cand_t first = {0.f + top_lp[0], 1, 0, 0, pushes++};
+    heap_push(heap, &hn, first);
+    while (hn > 0 && m < budget) {
+      const cand_t c = heap_pop(heap, &hn);
+      const int64_t flat = ++m; /* 1..budget */
+      const int64_t col = flat - 1;
+      tokens[b * budget + col] = top_tok[(c.depth - 1) * k + c.rank];
+      parents[b * budget + col] = c.parent;
+      depth[b * budget + col] = c.depth;
+      logq[b * budget + col] = c.score;
+      score_of[flat] = c.score;
+      /* next sibling: same parent, next token of the same position (the
+       * score is the parent's plus one term, as build_tree sums it) */
+      if (c.rank + 1 < k) {
+        cand_t s = {score_of[c.parent] + top_lp[(c.depth - 1) * k + c.rank + 1], c.depth,
+                    c.rank + 1, c.parent, pushes++};
+        heap_push(heap, &hn, s);
+      }
+      /* first child */
+      if (c.depth < num_levels) {
+        cand_t ch = {c.score + top_lp[c.depth * k], c.depth + 1, 0, (int32_t)flat, pushes++};
+        heap_push(heap, &hn, ch);
+      }
+    }
+    for (int64_t col = 0; col < budget; ++col) {
+      const int ok = col < m && col < own;
+      valid[b * budget + col] = (uint8_t)ok;
+      if (!ok) {
+        tokens[b * budget + col] = 0;
+        parents[b * budget + col] = 0;
+        depth[b * budget + col] = 1;
+        logq[b * budget + col] = -INFINITY;
+      }
+    }
+    free(top_lp); free(top_tok); free(heap); free(score_of);
+  }
+  return status;
+}

@@ -215,3 +215,22 @@ def test_order_key_breaks_ties_by_position_and_treats_signed_zeros_alike():
     expected = sorted(range(len(vals)), key=lambda i: (-vals[i], i))
     assert order == expected
     assert len(set(_descending_key(x)[0].tolist())) == len(vals)
+
+
+def test_native_build_matches_torch():
+    """The CPU engine builds its trees with the native kernel: the same trees
+    as build_tree (random logits have no exact score ties)."""
+    from vllm_ddtree.kernels import cpu_native
+
+    lib = cpu_native.load()
+    assert lib is not None, "the native CPU kernels did not build on this machine"
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        b, K, V, B = (int(torch.randint(lo, hi, (1,), generator=g))
+                      for lo, hi in ((1, 5), (1, 8), (1, 50), (1, 70)))
+        logits = torch.randn(b, K, V, generator=g) * 3
+        budgets = torch.randint(0, B + 1, (b,), generator=g)
+        want = build_tree(logits, B, budgets)
+        got = cpu_native.build_tree_native(lib, torch.log_softmax(logits, -1), B, budgets)
+        for name, w, h in zip(want._fields, want, got):
+            assert torch.equal(w, h), (name, b, K, V, B)

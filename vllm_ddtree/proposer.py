@@ -9,6 +9,8 @@ One drafting step, top-down:
    ``[batch, depth, V]`` (:meth:`_sample_draft_tokens`).
 3. :func:`vllm_ddtree.tree.build_tree` turns them into the ``budget`` most
    probable prefixes per request, in flat order (parents before children).
+   On CPU the same trees come from one native call
+   (``kernels/cpu_native.py``) when its kernels are available.
 4. The flat tokens ``[batch, budget]`` go back to vLLM as the draft tokens;
    the tree itself waits in :meth:`take_tree` for the runner, which verifies
    it in the next step.
@@ -25,6 +27,7 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.config import ddtree_runtime
+from vllm_ddtree.kernels import cpu_native
 from vllm_ddtree.tree import DraftTree, build_tree
 
 
@@ -70,7 +73,13 @@ class DDTreeProposer(DFlashProposer):
         batch = logits.shape[0] // depth
         # The scheduler's num_spec_tokens_to_schedule; 0 means "not set".
         budget = int(num_speculative_tokens) or self.ddtree.budget
-        self._tree = build_tree(logits.view(batch, depth, -1), budget)
+        logits = logits.view(batch, depth, -1)
+        native = cpu_native.load() if logits.device.type == "cpu" else None
+        if native is not None:
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            self._tree = DraftTree(*cpu_native.build_tree_native(native, lp, budget))
+        else:
+            self._tree = build_tree(logits, budget)
         return self._tree.tokens
 
     def take_tree(self) -> DraftTree | None:

@@ -11,20 +11,25 @@ calls one method per vLLM hook, in this order:
 2. :meth:`TreeRound.attach` (``_build_attention_metadata``): hang the masks
    on the target layers' attention metadata as ``metadata.ddtree``.
 3. :meth:`TreeRound.capturing` (``_model_forward``): the target forward,
-   during which every target attention layer applies its mask and hands its
-   fresh K/V to the capture; afterwards a layer that did not is an error.
+   during which every target attention layer applies its mask and reports
+   its cache write; afterwards a layer that did not is an error.
 4. :meth:`TreeRound.verify` (``_sample``): the target's token at every node
-   (argmax, or one draw from the request's processed distribution) and the
-   tree walk.
+   (argmax, or one draw from the request's processed distribution), the
+   tree walk, and the rows the accepted nodes move to.
 5. :meth:`TreeRound.compact`: move the accepted nodes' K/V into contiguous
    slots (``vllm_ddtree/compaction.py``).
 6. :meth:`TreeRound.condition` (``propose_draft_token_ids``): put the
    accepted rows first in the drafter's inputs and restore sequential
    positions, so vLLM's DFlash "rejected suffix" logic applies unchanged.
 
-Requests whose drafts are not a tree of ours (new requests padded with
-placeholders, drafts cut by the scheduler near ``max_model_len``) and trees
-that came out chain-shaped are verified as a chain: no mask, no move.
+Requests whose scheduled drafts are not a tree of ours (drafts kept from an
+older step, placeholders) are verified as a chain through the same walk, with
+the stock attention. A tree of ours always takes the tree path, even when it
+came out chain-shaped (its mask is then causal), so that no step has to ask
+the device which trees are chains.
+
+No step reads a device tensor back on the host: every host-side value comes
+from the scheduler's lists (``tests/test_round_sync_free.py``).
 
 This module imports nothing from vLLM; the runner passes it tensors and
 duck-typed metadata. The tree algorithms are called through the module

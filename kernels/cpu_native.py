@@ -1,9 +1,9 @@
 """The native CPU kernels (``tree_attention_cpu.c``): build, load, call.
 
-Two entry points: tree attention over vLLM's paged CPU cache
-(:func:`tree_attention_native`) and tree construction
-(:func:`build_tree_native`, the same trees as
-:func:`vllm_ddtree.tree.build_tree`). The file is plain C with no Python or torch headers, so it compiles in a
+Three entry points: tree attention over vLLM's paged CPU cache
+(:func:`tree_attention_native`), tree construction (:func:`build_tree_native`,
+the same trees as :func:`vllm_ddtree.tree.build_tree`) and KV compaction
+(:func:`move_slots_native`). The file is plain C with no Python or torch headers, so it compiles in a
 second or two with the system C compiler (the one vLLM CPU's torch.compile
 needs anyway). It is built on first use into a per-user cache directory
 (``$VLLM_DDTREE_CACHE``, default ``~/.cache/vllm_ddtree``), under a name that
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["ENV_CACHE", "ENV_DISABLE", "NativeKernels", "build_tree_native", "load",
-           "tree_attention_native"]
+           "move_slots_native", "tree_attention_native"]
 
 ENV_CACHE = "VLLM_DDTREE_CACHE"
 ENV_DISABLE = "VLLM_DDTREE_NO_NATIVE"
@@ -73,8 +73,12 @@ class NativeKernels:
         build = lib.ddtree_build_tree
         build.argtypes = [p, i64, i64, i64, i64, p, p, p, p, p, p]
         build.restype = ctypes.c_int
+        move = lib.ddtree_move_slots
+        move.argtypes = [p, i64, i64, i64, i64, i64, i64, p, p, i64]
+        move.restype = ctypes.c_int
         self.attention = attn
         self.build_tree = build
+        self.move_slots = move
         self._lib = lib
 
     def __call__(self, *args) -> int:
@@ -218,3 +222,30 @@ def build_tree_native(lib: NativeKernels, logprobs: torch.Tensor, budget: int,
     if status != 0:
         raise ValueError(f"build_tree_native: status {status} (bad sizes or out of memory)")
     return tokens, parents, depth, logq, valid
+
+
+def move_slots_native(lib: NativeKernels, caches: list[torch.Tensor], src_slots: torch.Tensor,
+                      dst_slots: torch.Tensor) -> None:
+    """Copy the K/V at cache slots ``src_slots`` to ``dst_slots`` in every
+    cache of ``caches`` (each one layer's contiguous "vec" cache ``[num_blocks,
+    Hk, block_size, 2 * D]``, all of one shape and dtype). All sources of a
+    layer are read before any destination is written."""
+    if not caches:
+        return
+    first = caches[0]
+    for c in caches:
+        if (c.shape != first.shape or c.dtype != first.dtype or not c.is_contiguous()
+                or c.device.type != "cpu" or c.element_size() not in (2, 4)):
+            raise TypeError("move_slots_native: caches must be contiguous CPU tensors of one "
+                            "shape and a 2- or 4-byte dtype")
+    num_blocks, num_kv_heads, block_size, two_d = first.shape
+    src = src_slots.to(torch.int64).contiguous()
+    dst = dst_slots.to(torch.int64).contiguous()
+    if src.shape != dst.shape:
+        raise ValueError("move_slots_native: src_slots and dst_slots differ in shape")
+    ptrs = (ctypes.c_void_p * len(caches))(*[c.data_ptr() for c in caches])
+    status = lib.move_slots(ptrs, len(caches), first.element_size(), num_blocks, num_kv_heads,
+                            block_size, two_d // 2, _ptr(src), _ptr(dst), src.numel())
+    if status != 0:
+        raise ValueError({-2: "a slot is outside the cache"}.get(
+            status, f"status {status}") + " (move_slots_native)")

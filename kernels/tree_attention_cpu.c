@@ -353,3 +353,51 @@ int ddtree_build_tree(const float *lp, int64_t batch, int64_t num_levels, int64_
   }
   return status;
 }
+
+/* ------------------------------------------------------------------------
+ * KV compaction on CPU: copy the K/V of cache slots src[i] to dst[i] in
+ * each of `num_layers` caches in the "vec" layout (element size 2 or 4
+ * bytes). Every source of a layer is read before any destination of it is
+ * written, so overlapping moves are safe. Slots are block * block_size +
+ * offset, as in vLLM's slot mapping.
+ * ---------------------------------------------------------------------- */
+int ddtree_move_slots(void *const *caches, int64_t num_layers, int64_t elem_size,
+                      int64_t num_blocks, int64_t num_kv_heads, int64_t block_size,
+                      int64_t head_size, const int64_t *src, const int64_t *dst, int64_t n) {
+  if ((elem_size != 2 && elem_size != 4) || block_size <= 0 || head_size <= 0) return -1;
+  for (int64_t i = 0; i < n; ++i)
+    if (src[i] < 0 || dst[i] < 0 || src[i] >= num_blocks * block_size ||
+        dst[i] >= num_blocks * block_size)
+      return -2;
+  const int64_t D = head_size, BS = block_size;
+  const int64_t per_slot = num_kv_heads * 2 * D; /* K and V values of one slot */
+  unsigned char *buf = malloc((size_t)(n * per_slot * elem_size));
+  if (!buf) return -3;
+  for (int64_t layer = 0; layer < num_layers; ++layer) {
+    unsigned char *cache = caches[layer];
+    /* gather */
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t blk = src[i] / BS, off = src[i] % BS;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        unsigned char *base = cache + ((blk * num_kv_heads + h) * BS * 2 * D) * elem_size;
+        unsigned char *out = buf + ((i * num_kv_heads + h) * 2 * D) * elem_size;
+        for (int64_t d = 0; d < D; ++d) /* K^T: [D][BS] */
+          memcpy(out + d * elem_size, base + (d * BS + off) * elem_size, elem_size);
+        memcpy(out + D * elem_size, base + (BS * D + off * D) * elem_size, D * elem_size);
+      }
+    }
+    /* scatter */
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t blk = dst[i] / BS, off = dst[i] % BS;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        unsigned char *base = cache + ((blk * num_kv_heads + h) * BS * 2 * D) * elem_size;
+        const unsigned char *in = buf + ((i * num_kv_heads + h) * 2 * D) * elem_size;
+        for (int64_t d = 0; d < D; ++d)
+          memcpy(base + (d * BS + off) * elem_size, in + d * elem_size, elem_size);
+        memcpy(base + (BS * D + off * D) * elem_size, in + D * elem_size, D * elem_size);
+      }
+    }
+  }
+  free(buf);
+  return 0;
+}

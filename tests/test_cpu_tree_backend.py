@@ -274,7 +274,10 @@ def test_builder_forces_vec_layout_with_ddtree(ddtree_on, monkeypatch):
     assert layers["a"].isa == want and layers["b"].isa == want
 
 
-def test_kv_capture_moves_path_into_contiguous_slots():
+@pytest.mark.parametrize("native", [True, False], ids=["native", "cache-write"])
+def test_kv_capture_moves_path_into_contiguous_slots(native, monkeypatch):
+    if not native:  # the fallback: every layer through the impl's own cache write
+        monkeypatch.setattr(dda.cpu_native, "load", lambda: None)
     parents = _tree(12, 7)
     node = max(range(12), key=lambda i: len(root_path(parents, i)))
     path = root_path(parents, node)

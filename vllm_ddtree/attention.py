@@ -244,6 +244,18 @@ class DDTreeCPUAttentionImpl(TreeAttentionImplMixin, CPUAttentionBackendImpl):
     def _split_kv_cache(self, kv_cache):
         return split_kv_cache_cpu_vec(kv_cache)
 
+    @staticmethod
+    def move_kv_slots(caches, src_slots, dst_slots) -> bool:
+        """KV compaction for every target layer in one native call; False
+        when the native kernels are unavailable (the caller then moves layer
+        by layer through ``do_kv_cache_update``)."""
+        lib = cpu_native.load()
+        if lib is None or not all(c.is_contiguous() and c.element_size() in (2, 4)
+                                  for c in caches):
+            return False
+        cpu_native.move_slots_native(lib, caches, src_slots, dst_slots)
+        return True
+
     def forward(
         self,
         layer,

@@ -16,7 +16,9 @@ to condition the drafter); :class:`KVCapture` applies them:
    are read back from the cache through the impl's own strided views
    (``tree_kv_views``) and written to their destination slots through the
    impl's own ``do_kv_cache_update``, so the cache layout is the backend's
-   business. All sources are read before any destination is written, so
+   business; an impl class with a ``move_kv_slots(caches, src, dst)`` that
+   returns True does it for all layers at once instead (the CPU backend's
+   native copy). All sources are read before any destination is written, so
    overlapping moves are safe.
 
 The capture also proves the tree path ran: :meth:`KVCapture.missing_layers`
@@ -138,6 +140,11 @@ class KVCapture:
         records = self.records()
         if not records or src_slots.numel() == 0:
             return 0
+        mover = getattr(type(records[0].impl), "move_kv_slots", None)
+        if mover is not None and all(type(r.impl) is type(records[0].impl) for r in records):
+            # one call for every layer (the CPU impl's native copy)
+            if mover([r.kv_cache for r in records], src_slots, dst_slots):
+                return len(records)
         block_size = records[0].key_view.shape[1]
         src_block = torch.div(src_slots, block_size, rounding_mode="floor")
         src_offset = src_slots - src_block * block_size

@@ -375,8 +375,9 @@ int ddtree_move_slots(void *const *caches, int64_t num_layers, int64_t elem_size
   if (!buf) return -3;
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     unsigned char *cache = caches[layer];
-    /* gather */
+    /* gather (pairs that stay in place are skipped) */
     for (int64_t i = 0; i < n; ++i) {
+      if (src[i] == dst[i]) continue;
       const int64_t blk = src[i] / BS, off = src[i] % BS;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         unsigned char *base = cache + ((blk * num_kv_heads + h) * BS * 2 * D) * elem_size;
@@ -388,6 +389,7 @@ int ddtree_move_slots(void *const *caches, int64_t num_layers, int64_t elem_size
     }
     /* scatter */
     for (int64_t i = 0; i < n; ++i) {
+      if (src[i] == dst[i]) continue;
       const int64_t blk = dst[i] / BS, off = dst[i] % BS;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         unsigned char *base = cache + ((blk * num_kv_heads + h) * BS * 2 * D) * elem_size;

@@ -162,3 +162,29 @@ def test_stat_logger_exports_increments_once(tmp_path):
     DDTreeStatLogger(cfg, [0])
     assert _sample("vllm:ddtree_num_drafts_total", labels) == 0
     w.close()
+
+
+def test_device_totals_add_what_the_per_request_lists_add(tmp_path):
+    """The runner sums a step on the device (StepCounts.totals) and adds the
+    totals at once; the counters must equal the per-request path."""
+    import torch
+
+    from vllm_ddtree.round import StepCounts
+
+    a = CounterWriter(str(tmp_path / "a.bin"))
+    b = CounterWriter(str(tmp_path / "b.bin"))
+    steps = [([4, 0, 7, 2], [1, 0, 7, 70], [1.5, 0.0, 2.25, 0.5], [True, False, True, False]),
+             ([0, 0], [0, 0], [0.0, 0.0], [False, False])]
+    for nodes, acc, exp, tree in steps:
+        counts = StepCounts(torch.tensor(nodes), torch.tensor(acc).clamp(max=torch.tensor(nodes)),
+                            torch.tensor(exp, dtype=torch.float64), torch.tensor(tree))
+        walked = [i for i, n in enumerate(nodes) if n > 0]
+        a.add([nodes[i] for i in walked], [min(acc[i], nodes[i]) for i in walked],
+              [exp[i] for i in walked], [tree[i] for i in walked])
+        b.add_totals(counts.totals().tolist())
+    sa, sb = a.snapshot(), b.snapshot()
+    for k in vars(sa):
+        assert np.array_equal(getattr(sa, k), getattr(sb, k)), k
+    assert sb.steps == 1 and sb.drafts == 3 and sb.accepted == 1 + 7 + 2
+    with pytest.raises(ValueError, match="totals expected"):
+        b.add_totals([1.0, 2.0])

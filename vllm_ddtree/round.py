@@ -49,9 +49,10 @@ from torch import Tensor
 
 from vllm_ddtree import tree as tree_ops
 from vllm_ddtree.compaction import compaction_rows, kv_capture
+from vllm_ddtree.stats import HIST_BINS
 from vllm_ddtree.tree_info import TreeAttentionInfo
 
-__all__ = ["DDTreeSeamError", "ProposedTrees", "TreeRound"]
+__all__ = ["DDTreeSeamError", "ProposedTrees", "StepCounts", "TreeRound"]
 
 
 class DDTreeSeamError(RuntimeError):
@@ -75,6 +76,19 @@ class StepCounts:
     num_accepted: Tensor  # [R]
     expected: Tensor  # [R] float64 drafter's expected accepted nodes
     from_drafter: Tensor  # [R] bool
+
+    def totals(self) -> Tensor:
+        """float64 ``[len(stats.FIELDS) + stats.HIST_BINS]``: the step's
+        counters in the order of ``vllm_ddtree/stats.py`` (requests that
+        verified at least one node only), summed on the device."""
+        walked = self.num_nodes > 0
+        w = walked.double()
+        acc = self.num_accepted * walked
+        sums = torch.stack([w.amax(), w.sum(), (self.from_drafter & walked).double().sum(),
+                            (self.num_nodes * walked).double().sum(), acc.double().sum(),
+                            (self.expected * w).sum()])
+        hist = torch.bincount(acc.clamp(max=HIST_BINS - 1), weights=w, minlength=HIST_BINS)
+        return torch.cat([sums, hist[:HIST_BINS].double()])
 
 
 @dataclass

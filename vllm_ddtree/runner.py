@@ -37,7 +37,7 @@ from vllm.v1.outputs import SamplerOutput
 from vllm_ddtree.attention import TreeAttentionImplMixin
 from vllm_ddtree.config import ddtree_runtime
 from vllm_ddtree.proposer import DDTreeProposer
-from vllm_ddtree.round import DDTreeSeamError, ProposedTrees, StepCounts, TreeRound
+from vllm_ddtree.round import DDTreeSeamError, ProposedTrees, TreeRound
 from vllm_ddtree.stats import CounterWriter, stats_file
 
 logger = init_logger("vllm.ddtree")
@@ -62,7 +62,7 @@ class DDTreeRunnerMixin:
         # The drafter's trees of the last step, verified in the next one.
         self.ddtree_trees: ProposedTrees | None = None
         # The last walked step, added to the metrics after the drafter launched.
-        self.ddtree_unrecorded: StepCounts | None = None
+        self.ddtree_unrecorded: torch.Tensor | None = None  # StepCounts.totals()
         self.ddtree_stats = self._ddtree_open_stats()
         # Per-step consistency checks that read device tensors back (debugging).
         self.ddtree_debug = os.environ.get(ENV_DEBUG, "0").strip().lower() in ("1", "true",
@@ -123,7 +123,8 @@ class DDTreeRunnerMixin:
                                self.input_batch.sampling_metadata)
         rnd.compact(self.input_batch.block_table[self.ddtree_kv_group].slot_mapping.gpu)
         if self.ddtree_stats is not None:
-            self.ddtree_unrecorded = rnd.counts()
+            counts = rnd.counts()
+            self.ddtree_unrecorded = None if counts is None else counts.totals()
         out = tokens[:, : md.max_spec_len + 1].to(torch.int32)
         return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
 
@@ -166,9 +167,7 @@ class DDTreeRunnerMixin:
         c, self.ddtree_unrecorded = self.ddtree_unrecorded, None
         if c is None:
             return
-        walked = c.num_nodes > 0
-        self.ddtree_stats.add(c.num_nodes[walked].tolist(), c.num_accepted[walked].tolist(),
-                              c.expected[walked].tolist(), c.from_drafter[walked].tolist())
+        self.ddtree_stats.add_totals(c.tolist())
 
 
 def check_tree_capable_layers(vllm_config, target_layers: frozenset[str]) -> None:

@@ -142,6 +142,21 @@ class CounterWriter:
         a[_HIST:] += hist
         a[2] += 1  # even: consistent
 
+    def add_totals(self, totals) -> None:
+        """One verify step given as its totals: the ``FIELDS`` in order (steps
+        first), then the ``HIST_BINS`` bins of accepted depths (the runner
+        sums them on the device and copies them to the host at once)."""
+        t = np.asarray(totals, dtype=np.float64)
+        if t.shape != (len(FIELDS) + HIST_BINS,):
+            raise ValueError(f"DDTree stats: {len(FIELDS) + HIST_BINS} totals expected, "
+                             f"got shape {t.shape}")
+        if t[_OFFSET["drafts"] - _HEADER] == 0:
+            return
+        a = self._a
+        a[2] += 1  # odd: step in progress
+        a[_HEADER:] += t
+        a[2] += 1  # even: consistent
+
     def snapshot(self) -> Snapshot:
         return Snapshot.from_array(self._a)
 

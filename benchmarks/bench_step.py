@@ -36,6 +36,11 @@ script reports the median over rounds of each round's median per stage, the
 tree/chain ratio of the step time, and tokens/s and acceptance length of the
 same runs. Results: ``benchmarks/results/step_<tag>.json`` and a Markdown
 table on stdout (``--markdown`` writes it to a file too).
+
+    python -m benchmarks.bench_step --plot BEFORE.json AFTER.json --out docs/step_cost.png
+
+draws, from recorded results, DDTree's extra time per stage over the chain
+at each concurrency, one bar per result file.
 """
 
 from __future__ import annotations
@@ -261,6 +266,43 @@ def markdown(results: dict, concurrencies, k: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+PLOT_STAGES = ["attention", "build", "plan", "walk", "compaction", "condition"]
+
+
+def plot(paths: list[str], out: str) -> None:
+    """DDTree minus chain, ms per step, per stage and concurrency, one bar per
+    recorded result (``step_<tag>.json``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [(Path(p).stem.removeprefix("step_"), json.loads(Path(p).read_text())["summary"])
+            for p in paths]
+    concs = sorted({int(c) for _, summ in runs for c in summ["chain"]})
+    labels = PLOT_STAGES + ["other", "whole step"]
+    fig, axes = plt.subplots(1, len(concs), figsize=(4.2 * len(concs), 3.6), sharey=True)
+    axes = [axes] if len(concs) == 1 else list(axes)
+    width = 0.8 / len(runs)
+    for ax, c in zip(axes, concs):
+        for k, (tag, summ) in enumerate(runs):
+            chain, tree = summ["chain"][str(c)], summ["ddtree"][str(c)]
+            diff = {st: tree.get(st, 0.0) - chain.get(st, 0.0) for st in STAGES}
+            vals = [diff[st] for st in PLOT_STAGES]
+            vals += [diff["step"] - sum(vals), diff["step"]]
+            xs = [i + (k - (len(runs) - 1) / 2) * width for i in range(len(labels))]
+            ax.bar(xs, vals, width, label=f"{tag} ({tree['step'] / chain['step']:.2f}x)")
+        ax.axhline(0, color="black", linewidth=0.6)
+        ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=8)
+        ax.set_title(f"c = {c}")
+        ax.legend(fontsize=7, title="step ratio", title_fontsize=7)
+    axes[0].set_ylabel("DDTree - chain, ms per step")
+    fig.suptitle("Extra cost of a DDTree step over a chain step of the same width "
+                 "(B = K = 15)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default=str(ROOT / "models" / "tiny-qwen3"))
@@ -273,7 +315,15 @@ def main(argv=None) -> int:
                    help="sequential requests per round at concurrency 1 (default 4)")
     p.add_argument("--tag", default="latest")
     p.add_argument("--markdown", help="also write the Markdown table to this file")
+    p.add_argument("--plot", nargs="+", metavar="JSON",
+                   help="draw recorded results (step_<tag>.json) instead of measuring")
+    p.add_argument("--out", default=str(ROOT / "docs" / "step_cost.png"),
+                   help="the picture --plot writes")
     args = p.parse_args(argv)
+    if args.plot:
+        plot(args.plot, args.out)
+        print(f"wrote {args.out}")
+        return 0
 
     from benchmarks.run_llm import humaneval_prompts
 

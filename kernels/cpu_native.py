@@ -81,9 +81,6 @@ class NativeKernels:
         self.move_slots = move
         self._lib = lib
 
-    def __call__(self, *args) -> int:
-        return self.attention(*args)
-
 
 def build(compiler: str | None = None) -> Path:
     """Compile the kernel (or find the cached build) and return its path."""
@@ -177,7 +174,7 @@ def tree_attention_native(
             and tree_reqs.is_contiguous()):
         raise ValueError("tree_attention_native: query_start_loc, seq_lens and tree_reqs "
                          "must be contiguous")
-    status = lib(
+    status = lib.attention(
         _ptr(query), query.stride(0), query.stride(1),
         _ptr(kv_cache), KV_DTYPES[kv_cache.dtype], num_kv_heads, block_size, head_size,
         _ptr(block_table), block_table.stride(0),

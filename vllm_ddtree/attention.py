@@ -250,8 +250,7 @@ class DDTreeCPUAttentionImpl(TreeAttentionImplMixin, CPUAttentionBackendImpl):
         when the native kernels are unavailable (the caller then moves layer
         by layer through ``do_kv_cache_update``)."""
         lib = cpu_native.load()
-        if lib is None or not all(c.is_contiguous() and c.element_size() in (2, 4)
-                                  for c in caches):
+        if lib is None or not all(c.is_contiguous() for c in caches):
             return False
         cpu_native.move_slots_native(lib, caches, src_slots, dst_slots)
         return True

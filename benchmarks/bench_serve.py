@@ -1,7 +1,12 @@
 """Serving benchmark with vLLM's own `vllm bench serve`: plain vs DFlash chain vs DDTree.
 
     python -m benchmarks.bench_serve --rounds 5 --concurrency 1 4 16
+    python -m benchmarks.bench_serve --budgets 16 64 --adaptive 64 \
+        --concurrency 1 4 16 64 --plot docs/adaptive_serve.png
 
+Arms: plain decoding, the DFlash chain (K = 15), DDTree at a fixed budget for
+each ``--budgets`` value (``ddtree_adaptive: false``) and the adaptive budget
+with each ``--adaptive`` maximum.
 All arms' servers run at once on loopback ports (compiled, not eager: eager
 mode hides the tree's extra work), and the arms are interleaved round by
 round (A B C A B C ...), so machine noise hits every arm alike. For every
@@ -122,10 +127,15 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="models/tiny-qwen3")
     ap.add_argument("--drafter", default="models/tiny-qwen3-dflash")
-    ap.add_argument("--budgets", type=int, nargs="+", default=[32])
+    ap.add_argument("--budgets", type=int, nargs="*", default=[32],
+                    help="fixed tree budgets (ddtree_adaptive: false), one arm each")
+    ap.add_argument("--adaptive", type=int, nargs="*", default=[],
+                    help="adaptive arms, one per maximum budget")
+    ap.add_argument("--plot", default=None, help="PNG: tokens/s against concurrency")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--num-prompts", type=int, default=32,
+                    help="prompts per run (at least twice the concurrency)")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--json", default="benchmarks/results/serve.json")
     ap.add_argument("--no-plain", action="store_true")
@@ -137,11 +147,14 @@ def main() -> None:
     arms.append(("dflash chain", {"method": "dflash", "model": args.drafter,
                                   "num_speculative_tokens": 15}))
     arms += [(f"ddtree B={b}", {"method": "ddtree", "model": args.drafter,
-                                "num_speculative_tokens": b}) for b in args.budgets]
+                                "num_speculative_tokens": b, "ddtree_adaptive": False})
+             for b in args.budgets]
+    arms += [(f"ddtree adaptive B<={b}", {"method": "ddtree", "model": args.drafter,
+                                          "num_speculative_tokens": b}) for b in args.adaptive]
     tmp = Path(tempfile.mkdtemp(prefix="ddtree-bench-"))
     dataset = tmp / "humaneval.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": p}) + "\n"
-                               for p in humaneval_prompts(args.num_prompts)))
+                               for p in humaneval_prompts(164)))
     servers = {name: start_server(name, spec, args, tmp) for name, spec in arms}
     results: dict[str, dict[int, list[dict]]] = {n: {c: [] for c in args.concurrency}
                                                  for n, _ in arms}
@@ -165,8 +178,19 @@ def main() -> None:
                              "(--allow-mismatch to measure anyway)")
         for r in range(args.rounds):
             for conc in args.concurrency:
+                run_args = argparse.Namespace(**{**vars(args),
+                                                 "num_prompts": max(args.num_prompts, 2 * conc)})
                 for name, (_, base) in servers.items():
-                    res = bench(base, dataset, conc, args, tmp, f"r{r}-c{conc}-{len(name)}")
+                    before = budget_counters(base) if "adaptive" in name else None
+                    res = bench(base, dataset, conc, run_args, tmp,
+                                f"r{r}-c{conc}-{len(name)}")
+                    if before is not None:
+                        after = budget_counters(base)
+                        d = {k: after[k] - before[k] for k in after}
+                        res["nodes_per_step"] = (d["chosen_nodes"] / d["decisions"]
+                                                 if d["decisions"] else None)
+                        res["plain_step_share"] = (d["plain_steps"] / d["decisions"]
+                                                   if d["decisions"] else None)
                     results[name][conc].append(res)
                     print(f"round {r} conc {conc} {name}: {res['output_throughput']:.1f} tok/s, "
                           f"tau={res['acceptance_length']}", flush=True)
@@ -193,8 +217,12 @@ def main() -> None:
             thr = med([x["output_throughput"] for x in runs])
             tpot = med([x["median_tpot_ms"] for x in runs])
             tau = runs[-1]["acceptance_length"]
-            summary.append({"arm": name, "concurrency": conc, "tok_s": thr, "tpot_ms": tpot,
-                            "tau": tau})
+            row = {"arm": name, "concurrency": conc, "tok_s": thr, "tpot_ms": tpot,
+                   "tau": tau}
+            if "adaptive" in name:
+                row["nodes_per_step"] = med([x["nodes_per_step"] for x in runs])
+                row["plain_step_share"] = med([x["plain_step_share"] for x in runs])
+            summary.append(row)
             print(f"| {name} | {conc} | {thr[0]:.1f} ({thr[1]:.1f}-{thr[2]:.1f}) | "
                   f"{tpot[0]:.1f} ({tpot[1]:.1f}-{tpot[2]:.1f}) | "
                   f"{tau if tau is not None else '-'} | {thr[0] / chain:.2f}x |")
@@ -205,6 +233,11 @@ def main() -> None:
               f"{n} {m.get('acceptance_length', float('nan')):.2f} / "
               f"{m.get('expected_acceptance_length', float('nan')):.2f}"
               for n, m in accept.items()))
+    for row in summary:
+        if "nodes_per_step" in row:
+            print(f"{row['arm']}, concurrency {row['concurrency']}: "
+                  f"{row['nodes_per_step'][0]:.1f} nodes chosen per step (whole batch), "
+                  f"{100 * row['plain_step_share'][0]:.0f}% plain steps")
     ddtree_name = arms[-1][0]
     print(f"\n`vllm bench serve` output, {ddtree_name}, concurrency {args.concurrency[0]}:\n")
     print(results[ddtree_name][args.concurrency[0]][-1]["stdout"])
@@ -212,6 +245,63 @@ def main() -> None:
     Path(args.json).write_text(json.dumps({"args": vars(args), "summary": summary,
                                            "identical_to_" + ref_name.replace(" ", "_"): identical,
                                            "ddtree_metrics": accept}, indent=1))
+    if args.plot:
+        plot(summary, args.plot)
+
+
+def budget_counters(base: str) -> dict:
+    """The server's lifetime adaptive-budget counters."""
+    names = {"vllm:ddtree_budget_decisions_total": "decisions",
+             "vllm:ddtree_budget_plain_steps_total": "plain_steps",
+             "vllm:ddtree_budget_chosen_nodes_total": "chosen_nodes"}
+    out = dict.fromkeys(names.values(), 0.0)
+    for line in requests.get(base + "/metrics", timeout=30).text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in names:
+            out[names[name]] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def plot(summary: list[dict], out: str) -> None:
+    """Tokens/s against concurrency per arm (median, min-max bars) and the
+    adaptive arms' chosen nodes per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = list(dict.fromkeys(r["arm"] for r in summary))
+    adaptive = [a for a in arms if "adaptive" in a]
+    fig, axes = plt.subplots(1, 2 if adaptive else 1, figsize=(11 if adaptive else 6, 4))
+    axes = list(axes) if adaptive else [axes]
+    for arm in arms:
+        rows = [r for r in summary if r["arm"] == arm]
+        c = [r["concurrency"] for r in rows]
+        y = [r["tok_s"][0] for r in rows]
+        err = [[r["tok_s"][0] - r["tok_s"][1] for r in rows],
+               [r["tok_s"][2] - r["tok_s"][0] for r in rows]]
+        axes[0].errorbar(c, y, yerr=err, marker="o", capsize=3, label=arm,
+                         lw=2.5 if "adaptive" in arm else 1.2)
+    axes[0].set(xscale="log", xlabel="concurrency", ylabel="output tokens/s",
+                title="Serving throughput (vllm bench serve, T=0)")
+    axes[0].set_xticks(sorted({r["concurrency"] for r in summary}))
+    axes[0].get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    axes[0].legend(fontsize=8)
+    for arm in adaptive:
+        rows = [r for r in summary if r["arm"] == arm]
+        c = [r["concurrency"] for r in rows]
+        axes[1].plot(c, [r["nodes_per_step"][0] / r["concurrency"] for r in rows], marker="o",
+                     label=f"{arm}: nodes per request")
+        axes[1].plot(c, [100 * r["plain_step_share"][0] for r in rows], marker="s", ls="--",
+                     label=f"{arm}: % plain steps")
+    if adaptive:
+        axes[1].set(xscale="log", xlabel="concurrency",
+                    title="Adaptive budget: mean choice per step")
+        axes[1].set_xticks(sorted({r["concurrency"] for r in summary}))
+        axes[1].get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
 
 
 if __name__ == "__main__":

@@ -69,8 +69,12 @@ def spec_metrics(llm) -> dict:
             vals[name] = getattr(m, "values", None) if hasattr(m, "values") else m.value
         elif name.startswith("ddtree_"):
             key = name.removeprefix("ddtree_")
+            extra = {k: v for k, v in (getattr(m, "labels", None) or {}).items()
+                     if k not in ("model_name", "engine")}
             if hasattr(m, "buckets"):  # histogram
                 ddtree[key] = {"count": m.count, "sum": m.sum, "buckets": m.buckets}
+            elif extra:  # one gauge per label value
+                ddtree.setdefault(key, {})[next(iter(extra.values()))] = m.value
             else:
                 ddtree[key] = m.value
     drafts = vals.get("spec_decode_num_drafts", 0) or 0

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from vllm_ddtree import stats
 from vllm_ddtree.stats import (
     HIST_BINS,
     CounterReader,
@@ -92,7 +93,7 @@ def test_reader_never_returns_a_half_written_step(tmp_path):
 
 def test_reader_refuses_a_foreign_file(tmp_path):
     path = tmp_path / "engine-0.bin"
-    path.write_bytes(np.ones(3 + 6 + HIST_BINS).tobytes())
+    path.write_bytes(np.ones(stats._SIZE).tobytes())  # noqa: SLF001
     with pytest.raises(RuntimeError, match="not a DDTree stats file"):
         CounterReader(str(path)).read()
     short = tmp_path / "engine-1.bin"
@@ -188,3 +189,25 @@ def test_device_totals_add_what_the_per_request_lists_add(tmp_path):
     assert sb.steps == 1 and sb.drafts == 3 and sb.accepted == 1 + 7 + 2
     with pytest.raises(ValueError, match="totals expected"):
         b.add_totals([1.0, 2.0])
+
+
+def test_adaptive_budget_choices_round_trip(tmp_path):
+    """Decisions, the chosen-nodes histogram and the gauges reach the reader;
+    a snapshot difference counts decisions but keeps the latest gauges."""
+    path = str(tmp_path / "engine-0.bin")
+    w = stats.CounterWriter(path)
+    r = stats.CounterReader(path)
+    before = r.read()
+    cal = np.linspace(0.9, 0.0, stats.CAL_BINS)
+    for n in (0, 0, 1, 3, 100):
+        w.add_choice(n, cal, (1e-3, 5e-3, 2e-3, 1e-5))
+    snap = r.read()
+    d = snap - before
+    assert (d.decided_steps, d.plain_steps, d.chosen_nodes) == (5, 2, 104)
+    assert d.nodes_per_decision == pytest.approx(104 / 5)
+    assert d.chosen_hist[:3].tolist() == [2, 1, 1] and d.chosen_hist[7] == 1
+    assert d.calibration.tolist() == pytest.approx(cal.tolist())
+    assert d.cost.tolist() == pytest.approx([1e-3, 5e-3, 2e-3, 1e-5])
+    with pytest.raises(ValueError):
+        w.add_choice(-1)
+    w.close()

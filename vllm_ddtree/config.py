@@ -5,8 +5,12 @@ Users write::
     --speculative-config '{"method": "ddtree", "model": "<DFlash drafter>",
                            "num_speculative_tokens": 32, "ddtree_max_depth": 8}'
 
-* ``num_speculative_tokens`` is the **tree budget** B: how many draft nodes the
-  target verifies per step (the root is extra). Default 32, at most 512.
+* ``num_speculative_tokens`` is the **tree budget** B: the most draft nodes
+  the target verifies per request and step (the root is extra). Default 32,
+  at most 512.
+* ``ddtree_adaptive`` (default true): per step, the batch-optimal number of
+  nodes for each request, 0 to B (``vllm_ddtree/budget.py``); false verifies
+  B nodes per request on every step.
 * ``ddtree_*`` keys are DDTree's own options (see :class:`DDTreeConfig`).
   Unknown ``ddtree_*`` keys are an error, never silently ignored.
 * Every other key goes to vLLM's ``SpeculativeConfig`` unchanged.
@@ -45,6 +49,10 @@ class DDTreeConfig(BaseModel):
         None, gt=0,
         description="Use at most this many drafter positions (tree depth). "
                     "Default: all of the drafter's block_size - 1.")
+    adaptive: bool = Field(
+        True, strict=True,
+        description="Choose the nodes per request and step from the drafter's confidence "
+                    "and the measured step cost (B is the maximum); false: always B.")
 
     @classmethod
     def from_speculative_dict(cls, spec: dict[str, Any]) -> tuple["DDTreeConfig", dict[str, Any]]:
@@ -91,6 +99,7 @@ class DDTreeRuntime(BaseModel):
     budget: int
     depth: int  # drafter positions used per round (the deepest tree level)
     block_size: int  # the drafter's trained block size (K_max + 1)
+    adaptive: bool = True  # per-step budgets from vllm_ddtree/budget.py
     # Where the runner publishes its counters for /metrics (see stats.py);
     # None: no ddtree metrics.
     stats_dir: str | None = None
@@ -129,7 +138,8 @@ def resolve(cfg: DDTreeConfig, draft_config: dict[str, Any]) -> DDTreeRuntime:
         raise DDTreeConfigError(
             f"speculative_config.ddtree_max_depth: {depth} exceeds what the drafter predicts "
             f"(block_size - 1 = {max_depth}); use a value in [1, {max_depth}].")
-    return DDTreeRuntime(budget=cfg.budget, depth=depth, block_size=block_size)
+    return DDTreeRuntime(budget=cfg.budget, depth=depth, block_size=block_size,
+                         adaptive=cfg.adaptive)
 
 
 def ddtree_runtime(vllm_config: Any) -> DDTreeRuntime | None:

@@ -16,6 +16,17 @@ metric                                 type       meaning
 ``vllm:ddtree_accepted_depth``         histogram  accepted path length per draft
 ``vllm:ddtree_acceptance_length``      gauge      realised tau since start
 ``vllm:ddtree_expected_acceptance_length`` gauge  expected tau since start
+``vllm:ddtree_budget_decisions``       counter    adaptive budget decisions
+``vllm:ddtree_budget_plain_steps``     counter    of those, plain steps (0 nodes)
+``vllm:ddtree_budget_chosen_nodes``    counter    nodes chosen, whole batch
+``vllm:ddtree_budget_nodes_per_step``  histogram  nodes chosen per decision
+``vllm:ddtree_budget_calibration``     gauge      realised acceptance probability
+                                                  per ``log q`` bin (label
+                                                  ``logq_upper``)
+``vllm:ddtree_budget_cost_seconds``    gauge      cost model at the last batch
+                                                  (label ``component``:
+                                                  plain_step, tree_step, draft,
+                                                  per_node)
 =====================================  =========  ===============================
 
 Counters carry the ``_total`` suffix on the wire. Acceptance length over a
@@ -39,7 +50,8 @@ from vllm.logger import init_logger
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
 from vllm_ddtree.config import ddtree_runtime
-from vllm_ddtree.stats import CounterReader, Snapshot, stats_file
+from vllm_ddtree.stats import (CAL_BINS, CHOSEN_BINS, COST_GAUGES, CounterReader, Snapshot,
+                               stats_file)
 
 logger = init_logger("vllm.ddtree")
 
@@ -55,7 +67,14 @@ _COUNTERS = (
     ("vllm:ddtree_expected_accepted_tokens", "expected",
      "Sum over drafts of the drafter's expected accepted nodes (sum of the "
      "prefix probabilities of the verified nodes)."),
+    ("vllm:ddtree_budget_decisions", "decided_steps",
+     "DDTree adaptive budget: decisions taken (one per engine step)."),
+    ("vllm:ddtree_budget_plain_steps", "plain_steps",
+     "DDTree adaptive budget: decisions that verify no node (plain decoding steps)."),
+    ("vllm:ddtree_budget_chosen_nodes", "chosen_nodes",
+     "DDTree adaptive budget: draft nodes chosen over the batch, summed over decisions."),
 )
+_CHOSEN_BUCKETS = [0.0] + [float(2 ** k - 1) for k in range(1, CHOSEN_BINS)]
 
 
 class DDTreeStatLogger(AggregateStatLoggerBase):
@@ -76,7 +95,8 @@ class DDTreeStatLogger(AggregateStatLoggerBase):
         values = {i: [model_name, str(i)] for i in self.engine_indexes}
         names = [n for n, _, _ in _COUNTERS] + [
             "vllm:ddtree_accepted_depth", "vllm:ddtree_acceptance_length",
-            "vllm:ddtree_expected_acceptance_length"]
+            "vllm:ddtree_expected_acceptance_length", "vllm:ddtree_budget_nodes_per_step",
+            "vllm:ddtree_budget_calibration", "vllm:ddtree_budget_cost_seconds"]
         _unregister(names)
         self.counters = {}
         for name, attr, doc in _COUNTERS:
@@ -96,6 +116,29 @@ class DDTreeStatLogger(AggregateStatLoggerBase):
             g = prometheus_client.Gauge(name=name, documentation=doc, labelnames=labelnames,
                                         multiprocess_mode="mostrecent")
             self.gauges[attr] = {i: g.labels(*values[i]) for i in self.engine_indexes}
+        chosen = prometheus_client.Histogram(
+            name="vllm:ddtree_budget_nodes_per_step",
+            documentation="DDTree adaptive budget: draft nodes chosen per decision (whole "
+                          "batch; 0 = a plain decoding step). Buckets are upper bounds of "
+                          "0, 1, 2-3, 4-7, ... nodes.",
+            labelnames=labelnames, buckets=_CHOSEN_BUCKETS)
+        self.chosen = {i: chosen.labels(*values[i]) for i in self.engine_indexes}
+        cal = prometheus_client.Gauge(
+            name="vllm:ddtree_budget_calibration",
+            documentation="DDTree adaptive budget: realised acceptance probability of a draft "
+                          "node whose prefix log-probability is at most logq_upper (and above "
+                          "logq_upper - 0.5).",
+            labelnames=labelnames + ["logq_upper"], multiprocess_mode="mostrecent")
+        self.calibration = {i: [cal.labels(*values[i], f"{-k / 2:g}") for k in range(CAL_BINS)]
+                            for i in self.engine_indexes}
+        cost = prometheus_client.Gauge(
+            name="vllm:ddtree_budget_cost_seconds",
+            documentation="DDTree adaptive budget: the cost model at the last decision's batch "
+                          "(plain_step, tree_step with the chosen nodes, the drafter's share, "
+                          "and one more node).",
+            labelnames=labelnames + ["component"], multiprocess_mode="mostrecent")
+        self.cost = {i: [cost.labels(*values[i], c) for c in COST_GAUGES]
+                     for i in self.engine_indexes}
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
         reader = self.readers.get(engine_idx)
@@ -115,12 +158,29 @@ class DDTreeStatLogger(AggregateStatLoggerBase):
         if snap.drafts:
             for attr, children in self.gauges.items():
                 children[engine_idx].set(getattr(snap, attr))
+        chosen = self.chosen[engine_idx]
+        for k, count in enumerate(delta.chosen_hist):
+            for _ in range(int(count)):
+                chosen.observe(_CHOSEN_BUCKETS[k])
+        if snap.decided_steps:
+            for g, v in zip(self.calibration[engine_idx], snap.calibration):
+                g.set(float(v))
+            for g, v in zip(self.cost[engine_idx], snap.cost):
+                g.set(float(v))
 
     def log(self):
         now = time.monotonic()
         for i in self.engine_indexes:
             delta = self.last[i] - self.logged[i]
             self.logged[i] = self.last[i]
+            if delta.decided_steps:
+                plain, tree, draft, per_node = delta.cost
+                logger.info(
+                    "DDTree adaptive budget (engine %d): %.1f nodes per step, %.0f%% plain "
+                    "steps; cost model at the last batch: plain step %.2f ms, tree step "
+                    "%.2f ms (drafter %.2f ms), %.1f us per extra node.",
+                    i, delta.nodes_per_decision, 100 * delta.plain_steps / delta.decided_steps,
+                    1e3 * plain, 1e3 * tree, 1e3 * draft, 1e6 * per_node)
             if not delta.drafts:
                 continue
             hist = delta.depth_hist[: self.depth + 1]

@@ -15,6 +15,12 @@ One drafting step, top-down:
    the tree itself waits in :meth:`take_tree` for the runner, which verifies
    it in the next step.
 
+When the runner's adaptive policy has chosen plain decoding
+(:attr:`skip_block` set for one call), :meth:`propose` stores the drafter's
+context K/V for this step's tokens exactly as a drafting step would
+(``set_inputs_first_pass`` and ``precompute_and_store_context_kv``) and skips
+the block forward: a later drafting step then sees the whole context.
+
 Names: ``budget`` is the tree budget B (vLLM's ``num_speculative_tokens``),
 ``depth`` the number of drafter positions used (at most ``block_size - 1``).
 """
@@ -48,6 +54,8 @@ class DDTreeProposer(DFlashProposer):
         self.target_attn_layers: frozenset[str] = frozenset()
         self._draft_logits: torch.Tensor | None = None
         self._tree: DraftTree | None = None
+        # Set by the runner for one propose(): store context K/V only.
+        self.skip_block = False
 
     def load_model(self, target_model) -> None:
         # Called right after the target is loaded: the attention layers that
@@ -65,6 +73,9 @@ class DDTreeProposer(DFlashProposer):
 
     def propose(self, num_speculative_tokens, *args, **kwargs) -> torch.Tensor:
         depth = self.ddtree.depth
+        if self.skip_block:
+            self.skip_block = False
+            return self._store_context(depth, *args, **kwargs)
         super().propose(depth, *args, **kwargs)
         logits, self._draft_logits = self._draft_logits, None
         if logits is None:
@@ -81,6 +92,28 @@ class DDTreeProposer(DFlashProposer):
         else:
             self._tree = build_tree(logits, budget)
         return self._tree.tokens
+
+    def _store_context(self, depth: int, target_token_ids, target_positions,
+                       target_hidden_states, next_token_ids, token_indices_to_sample,
+                       common_attn_metadata, sampling_metadata, mm_embed_inputs=None,
+                       num_rejected_tokens_gpu=None, slot_mappings=None) -> torch.Tensor:
+        """The context half of a drafting step: the drafter's K/V of this
+        step's tokens, written where ``propose`` would write them. Returns
+        placeholder drafts (the runner schedules none)."""
+        self.num_speculative_tokens = depth
+        hidden = self.model.combine_hidden_states(target_hidden_states)
+        self.set_inputs_first_pass(
+            target_token_ids=target_token_ids, next_token_ids=next_token_ids,
+            target_positions=target_positions, target_hidden_states=hidden,
+            token_indices_to_sample=token_indices_to_sample, cad=common_attn_metadata,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu)
+        n = self._dflash_num_context
+        self.model.precompute_and_store_context_kv(
+            self._dflash_hidden_states, self._context_positions_buffer[:n],
+            self._context_slot_mapping_buffer[:n])
+        self._tree = None
+        return torch.zeros(common_attn_metadata.batch_size(), self.ddtree.budget,
+                           dtype=torch.long, device=next_token_ids.device)
 
     def take_tree(self) -> DraftTree | None:
         """The trees of the last :meth:`propose` (once), row ``i`` for the

@@ -104,6 +104,7 @@ class TreeRound:
     logit_starts: list[int]  # each request's first logits row, on the host
     expected: Tensor  # [R] float64 Σ q(u) over the scheduled nodes (0: unknown)
     tokens: Tensor | None = None  # [R, B] draft tokens (None: read the scheduled drafts)
+    logq: Tensor | None = None  # [R, B] log q of the tree nodes (with_logq)
     # Set when tree_rows:
     query_start: Tensor | None = None  # [R] first token row of each request
     seq_positions: Tensor | None = None  # stock sequential positions
@@ -133,6 +134,7 @@ class TreeRound:
         query_pos: Tensor,
         query_start: Tensor,
         with_expected: bool,
+        with_logq: bool = False,
         check_drafts: bool = False,
     ) -> TreeRound | None:
         """The round for this step, or None when nothing is verified.
@@ -143,7 +145,8 @@ class TreeRound:
         in place); ``query_start`` is ``[R]``. Everything that needs a host
         value comes from the scheduler's lists, never from a device tensor;
         ``check_drafts`` (a debug option) compares the scheduled drafts with
-        the trees, which reads the trees back.
+        the trees, which reads the trees back. ``with_logq`` keeps the nodes'
+        log q for :meth:`node_outcomes` (the adaptive budget's calibration).
         """
         if not scheduled:
             return None
@@ -186,9 +189,11 @@ class TreeRound:
         if check_drafts:
             _check_scheduled_tokens(scheduled, req_ids, tree_rows,
                                     tree.tokens.index_select(0, src_t))
+        if with_expected or with_logq:
+            rnd.logq = tree.logq.index_select(0, src_t)
         if with_expected:
             scheduled_node = ar1[None, 1:] <= num_nodes[:, None]
-            rnd.expected = (tree.logq.index_select(0, src_t).double().exp()
+            rnd.expected = (rnd.logq.double().exp()
                             * (scheduled_node & from_drafter[:, None])).sum(-1)
 
         # Node j of a tree request is at position p0 + depth(j); every other
@@ -299,6 +304,18 @@ class TreeRound:
         positions[: self.seq_positions.shape[0]] = self.seq_positions
 
     # ------------------------------------------------------------ metrics
+    def node_outcomes(self) -> tuple[Tensor, Tensor, Tensor] | None:
+        """``[R, B]`` log q, verified and accepted flags of the drafter's tree
+        nodes after :meth:`verify` (rows without a tree of ours are not
+        verified), or None when there is nothing to report."""
+        if self.logq is None or self.path is None or not self.any_tree:
+            return None
+        cols = torch.arange(1, self.budget + 1, device=self.path.device)
+        verified = (cols[None, :] <= self.num_nodes[:, None]) & self.from_drafter[:, None]
+        hit = torch.zeros(self.path.shape, dtype=torch.bool, device=self.path.device)
+        hit.scatter_(1, self.path.clamp(min=0), True)  # -1 pads land on the root column
+        return self.logq, verified, hit[:, 1:] & verified
+
     def counts(self) -> StepCounts | None:
         if self.num_accepted is None:
             return None

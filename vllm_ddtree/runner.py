@@ -17,7 +17,13 @@ vLLM hook                      DDTree
 ``_model_forward``             ``TreeRound.capturing`` (first-step guard)
 ``_sample``                    ``TreeRound.verify`` + ``TreeRound.compact``
 ``propose_draft_token_ids``    ``TreeRound.condition``, then the drafter's
-                               new trees are kept for the next step
+                               new trees are kept for the next step; the
+                               adaptive policy chooses their budgets (or
+                               skips the drafter's block in plain mode)
+``take_draft_token_ids``       each request's drafts cut to its budget
+``execute_model``              step clock for the cost model
+``initialize_kv_cache`` (CPU)  the cost model's start-up profile
+``capture_model`` (CUDA)
 =============================  ==============================================
 
 The vLLM names this relies on are listed in ``patches/README.md``.
@@ -26,6 +32,7 @@ The vLLM names this relies on are listed in ``patches/README.md``.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 from vllm.config import get_layers_from_vllm_config
@@ -35,6 +42,8 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.outputs import SamplerOutput
 
 from vllm_ddtree.attention import TreeAttentionImplMixin
+from vllm_ddtree.budget import (AdaptivePolicy, CostModel, PiecewiseLinear, ladder,
+                                parse_pinned_cost)
 from vllm_ddtree.config import ddtree_runtime
 from vllm_ddtree.proposer import DDTreeProposer
 from vllm_ddtree.round import DDTreeSeamError, ProposedTrees, TreeRound
@@ -43,6 +52,8 @@ from vllm_ddtree.stats import CounterWriter, stats_file
 logger = init_logger("vllm.ddtree")
 
 ENV_DEBUG = "VLLM_DDTREE_DEBUG"
+# "A,B,D" in ms: pin the adaptive budget's cost model instead of profiling it.
+ENV_COST = "VLLM_DDTREE_COST_MODEL"
 
 
 class DDTreeRunnerMixin:
@@ -67,8 +78,15 @@ class DDTreeRunnerMixin:
         # Per-step consistency checks that read device tensors back (debugging).
         self.ddtree_debug = os.environ.get(ENV_DEBUG, "0").strip().lower() in ("1", "true",
                                                                                 "yes", "on")
-        logger.info("DDTree: tree budget %d, drafter depth %d (block size %d)",
-                    self.ddtree.budget, self.ddtree.depth, self.ddtree.block_size)
+        # The adaptive budget (vllm_ddtree/budget.py): created with its cost
+        # profile after warm-up, or at the first step.
+        self.ddtree_policy: AdaptivePolicy | None = None
+        self.ddtree_budgets: torch.Tensor | None = None  # [R] of the last drafts
+        self.ddtree_step: dict | None = None  # the step being timed
+        self.ddtree_gap_s = 0.0  # engine time between two runner steps (EWMA)
+        logger.info("DDTree: tree budget %d%s, drafter depth %d (block size %d)",
+                    self.ddtree.budget, " (adaptive: at most)" if self.ddtree.adaptive
+                    else " (fixed)", self.ddtree.depth, self.ddtree.block_size)
 
     # ------------------------------------------------------------------ start-up guards
     def load_model(self, *args, **kwargs):
@@ -81,8 +99,20 @@ class DDTreeRunnerMixin:
         if self.ddtree is not None:
             self.ddtree_kv_group = target_kv_cache_group(
                 kv_cache_config, self.drafter.target_attn_layers)
+            if self.device.type == "cpu":  # compiled already; no graphs to capture
+                self._ddtree_start_policy()
+
+    def capture_model(self, *args, **kwargs):  # CUDA: after the graphs exist
+        out = super().capture_model(*args, **kwargs)
+        self._ddtree_start_policy()
+        return out
 
     # ------------------------------------------------------------------ the round
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        if self.ddtree is not None and self.ddtree.adaptive:
+            self._ddtree_step_clock(scheduler_output)
+        return super().execute_model(scheduler_output, *args, **kwargs)
+
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         if self.ddtree is None:
@@ -98,7 +128,8 @@ class DDTreeRunnerMixin:
             positions=self.positions[:total], req_indices=self.req_indices.gpu[:total],
             query_pos=self.query_pos.gpu[:total],
             query_start=self.query_start_loc.gpu[:num_reqs],
-            with_expected=self.ddtree_stats is not None, check_drafts=self.ddtree_debug)
+            with_expected=self.ddtree_stats is not None,
+            with_logq=self.ddtree_policy is not None, check_drafts=self.ddtree_debug)
         return out
 
     def _build_attention_metadata(self, *args, **kwargs):
@@ -122,6 +153,10 @@ class DDTreeRunnerMixin:
         tokens = rnd.verify(logits, md.draft_token_ids, md.num_draft_tokens,
                                self.input_batch.sampling_metadata)
         rnd.compact(self.input_batch.block_table[self.ddtree_kv_group].slot_mapping.gpu)
+        if self.ddtree_policy is not None:
+            outcomes = rnd.node_outcomes()
+            if outcomes is not None:
+                self.ddtree_policy.calibration.observe(*outcomes)
         if self.ddtree_stats is not None:
             counts = rnd.counts()
             self.ddtree_unrecorded = None if counts is None else counts.totals()
@@ -134,19 +169,136 @@ class DDTreeRunnerMixin:
         rnd = self.ddtree_round if self.ddtree is not None else None
         if rnd is not None:
             rnd.condition(aux_hidden_states, self.positions)
+        policy = self.ddtree_policy if self.ddtree is not None else None
+        num_reqs = self.input_batch.num_reqs
+        drafting = policy is None or policy.should_draft(num_reqs)
+        if not drafting:
+            self.drafter.skip_block = True
+            policy.skipped()
+        clock = _Stopwatch(self.device) if policy is not None and drafting else None
         drafts = super().propose_draft_token_ids(
             scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
             sample_hidden_states, aux_hidden_states, spec_decode_metadata,
             common_attn_metadata, slot_mappings)
         if self.ddtree is not None:
+            self.drafter.skip_block = False
             self.ddtree_round = None  # the round ends here
             tree = self.drafter.take_tree()
+            self.ddtree_budgets = None
             if tree is not None:
-                num_reqs = self.input_batch.num_reqs
                 self.ddtree_trees = ProposedTrees(list(self.input_batch.req_ids[:num_reqs]),
                                                   tree)
+                if policy is not None:
+                    self.ddtree_budgets = policy.choose(tree.logq, tree.valid).budgets
+            elif policy is not None:
+                self.ddtree_budgets = torch.zeros(num_reqs, dtype=torch.long)
+            if self.ddtree_step is not None:
+                if clock is not None:
+                    self.ddtree_step["draft"] = clock.stop()
+                self.ddtree_step["end"] = time.perf_counter()
             self._ddtree_flush_stats()
         return drafts
+
+    def take_draft_token_ids(self):
+        out = super().take_draft_token_ids()
+        budgets, self.ddtree_budgets = (self.ddtree_budgets, None) if self.ddtree else (None,
+                                                                                         None)
+        if out is None or budgets is None:
+            return out
+        # The adaptive policy's choice: each request verifies its first
+        # budget nodes (a valid tree: flat order puts parents first).
+        cut = budgets.tolist()
+        if len(cut) != len(out.draft_token_ids):
+            raise DDTreeSeamError(f"DDTree: {len(cut)} budgets for "
+                                  f"{len(out.draft_token_ids)} requests' drafts")
+        for drafts, n in zip(out.draft_token_ids, cut):
+            del drafts[n:]
+        total = sum(cut)
+        policy = self.ddtree_policy
+        policy.decided(total)
+        if self.ddtree_stats is not None:
+            num_reqs, cost = len(cut), policy.cost
+            plain = cost.plain_step(num_reqs)
+            draft = cost.draft(num_reqs)
+            tree = cost.verify(num_reqs + total) + draft
+            per_node = cost.verify(num_reqs + total + 1) - cost.verify(num_reqs + total)
+            self.ddtree_stats.add_choice(total, policy.calibration.table,
+                                         (plain, tree, draft, per_node))
+        return out
+
+    # ------------------------------------------------------------------ adaptive budget
+    def _ddtree_start_policy(self) -> None:
+        """Create the adaptive policy with its cost model: pinned by
+        ``VLLM_DDTREE_COST_MODEL``, or profiled now from dummy forwards."""
+        if self.ddtree is None or not self.ddtree.adaptive or self.ddtree_policy is not None:
+            return
+        max_reqs = self.scheduler_config.max_num_seqs
+        max_tokens = max(2, min(self.max_num_tokens, max_reqs * (1 + self.ddtree.budget)))
+        pinned = os.environ.get(ENV_COST, "").strip()
+        if pinned:
+            cost = parse_pinned_cost(pinned, max_tokens, max_reqs)
+            logger.info("DDTree adaptive budget: cost model pinned by %s=%s", ENV_COST, pinned)
+        else:
+            cost = self._ddtree_profile_costs(max_tokens, max_reqs)
+        self.ddtree_policy = AdaptivePolicy(self.ddtree.budget, cost, self.device)
+
+    @torch.inference_mode()
+    def _ddtree_profile_costs(self, max_tokens: int, max_reqs: int) -> CostModel:
+        """Time dummy target and drafter forwards over ladders of sizes (about
+        a second): the cost model's first guess, refined online. Sizes past
+        the profiled ones start on the last measured slope."""
+        t0 = time.perf_counter()
+        width = 1 + self.ddtree.depth
+
+        def timed(fn, n, reps=2):
+            out = []
+            for _ in range(reps):
+                sw = _Stopwatch(self.device)
+                fn(n)
+                out.append(sw.stop(sync=True))
+            return min(out)
+
+        def draft(n):
+            self.drafter.dummy_run(n, use_cudagraphs=False)
+
+        def both(n):  # _dummy_run runs the drafter on the same tokens after the target
+            self._dummy_run(n, skip_eplb=True)
+
+        both(1)  # warm
+        req_ladder, tok_ladder = ladder(max_reqs), ladder(max_tokens)
+        reqs = [r for r in req_ladder if r * width <= PROFILE_MAX_TOKENS] or req_ladder[:1]
+        toks = [t for t in tok_ladder if t <= PROFILE_MAX_TOKENS] or tok_ladder[:1]
+        draft_s = [timed(draft, min(r * width, self.max_num_tokens)) for r in reqs]
+        verify_s = [max(timed(both, t) - timed(draft, t), 1e-6) for t in toks]
+        cost = CostModel(PiecewiseLinear(tok_ladder, _extend(toks, verify_s, tok_ladder)),
+                         PiecewiseLinear(req_ladder, _extend(reqs, draft_s, req_ladder)))
+        logger.info(
+            "DDTree adaptive budget: profiled the step cost in %.1f s: target %.2f ms at 1 "
+            "token, %.2f ms at %d; drafter %.2f ms for 1 request, %.2f ms for %d (refined "
+            "online from measured steps)",
+            time.perf_counter() - t0, 1e3 * cost.verify(1), 1e3 * cost.verify(toks[-1]),
+            toks[-1], 1e3 * cost.draft(1), 1e3 * cost.draft(reqs[-1]), reqs[-1])
+        return cost
+
+    def _ddtree_step_clock(self, scheduler_output) -> None:
+        """Close the previous step's measurement (runner time plus the
+        engine's time between steps, idle gaps excluded) and open this one."""
+        if self.ddtree_policy is None:
+            self._ddtree_start_policy()
+        now = time.perf_counter()
+        last, self.ddtree_step = self.ddtree_step, None
+        if last is not None and "end" in last:
+            gap = now - last["end"]
+            if gap < 3 * self.ddtree_gap_s + 2e-3:  # otherwise the engine was idle
+                self.ddtree_gap_s += 0.1 * (gap - self.ddtree_gap_s)
+            draft_s = last.get("draft", 0.0)
+            draft_s = draft_s() if callable(draft_s) else draft_s
+            step_s = last["end"] - last["start"] + min(gap, 3 * self.ddtree_gap_s + 2e-3)
+            self.ddtree_policy.observe(last["reqs"], last["tokens"], step_s, draft_s)
+        total = scheduler_output.total_num_scheduled_tokens
+        if total:
+            self.ddtree_step = {"start": now, "tokens": total,
+                                "reqs": len(scheduler_output.num_scheduled_tokens)}
 
     # ------------------------------------------------------------------ metrics
     def _ddtree_open_stats(self) -> CounterWriter | None:
@@ -168,6 +320,43 @@ class DDTreeRunnerMixin:
         if c is None:
             return
         self.ddtree_stats.add_totals(c.tolist())
+
+
+PROFILE_MAX_TOKENS = 1024  # largest dummy forward of the start-up profile
+
+
+def _extend(xs: list[int], ys: list[float], knots: list[int]) -> list[float]:
+    """``ys`` measured at the first knots ``xs``; the rest on the last slope."""
+    out = list(ys)
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+    for k in knots[len(xs):]:
+        out.append(ys[-1] + max(slope, 0.0) * (k - xs[-1]))
+    return out
+
+
+class _Stopwatch:
+    """Elapsed seconds of device work: CUDA events on a GPU (read once the
+    work is done), the wall clock elsewhere (the CPU backend is synchronous)."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.start = time.perf_counter()
+
+    def stop(self, sync: bool = False):
+        """Seconds (a float), or on a GPU without ``sync`` a callable that
+        returns them once the recorded work has finished."""
+        if not self.cuda:
+            return time.perf_counter() - self.start
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        if sync:
+            end.synchronize()
+            return self.start.elapsed_time(end) / 1e3
+        return lambda: self.start.elapsed_time(end) / 1e3 if end.query() else 0.0
 
 
 def check_tree_capable_layers(vllm_config, target_layers: frozenset[str]) -> None:

@@ -34,6 +34,17 @@ per request per step that verified at least one draft node.
   and ``1 + expected/drafts``; when the realised one falls well short, the
   drafter is over-confident on this traffic.
 * ``depth_hist[d]``: drafts whose accepted path had ``d`` nodes.
+
+The adaptive budget adds, per decision (one per drafting or skipped step):
+
+* ``decided_steps``: decisions taken; ``plain_steps``: of those, the ones that
+  verify nothing (a plain decoding step follows); ``chosen_nodes``: nodes
+  chosen over the batch, summed; ``chosen_hist[k]``: decisions with 0 nodes
+  (k = 0) or ``2**(k-1) <= N < 2**k`` nodes;
+* gauges (the latest value, not summed): ``calibration[k]``, the realised
+  acceptance probability of a node with ``log q`` in ``(-(k+1)/2, -k/2]``;
+  ``cost``: the cost model at the last decision's batch, in seconds (a plain
+  step, a tree step with the chosen nodes, the drafter's share, one more node).
 """
 
 from __future__ import annotations
@@ -49,12 +60,20 @@ import numpy as np
 
 FIELDS = ("steps", "drafts", "tree_drafts", "nodes", "accepted", "expected")
 HIST_BINS = 64  # accepted depths 0..63; DFlash blocks are at most 32 wide in practice
+POLICY_FIELDS = ("decided_steps", "plain_steps", "chosen_nodes")
+CHOSEN_BINS = 16  # 0, 1, 2-3, 4-7, ..., >= 2**14 nodes per decision
+CAL_BINS = 32  # = vllm_ddtree.budget.CAL_BINS
+COST_GAUGES = ("plain_step", "tree_step", "draft", "per_node")
 _MAGIC = 0x44445453  # "DDTS"
-_VERSION = 1
+_VERSION = 2
 _HEADER = 3  # magic, version, sequence
 _OFFSET = {f: _HEADER + i for i, f in enumerate(FIELDS)}
 _HIST = _HEADER + len(FIELDS)
-_SIZE = _HIST + HIST_BINS
+_POLICY = _HIST + HIST_BINS
+_CHOSEN = _POLICY + len(POLICY_FIELDS)
+_CAL = _CHOSEN + CHOSEN_BINS
+_COST = _CAL + CAL_BINS
+_SIZE = _COST + len(COST_GAUGES)
 _NBYTES = _SIZE * 8
 
 
@@ -69,14 +88,33 @@ class Snapshot:
     accepted: float = 0.0
     expected: float = 0.0
     depth_hist: np.ndarray = field(default_factory=lambda: np.zeros(HIST_BINS))
+    decided_steps: float = 0.0
+    plain_steps: float = 0.0
+    chosen_nodes: float = 0.0
+    chosen_hist: np.ndarray = field(default_factory=lambda: np.zeros(CHOSEN_BINS))
+    calibration: np.ndarray = field(default_factory=lambda: np.zeros(CAL_BINS))
+    cost: np.ndarray = field(default_factory=lambda: np.zeros(len(COST_GAUGES)))
 
     @classmethod
     def from_array(cls, a: np.ndarray) -> "Snapshot":
-        return cls(**{f: float(a[i]) for f, i in _OFFSET.items()}, depth_hist=a[_HIST:].copy())
+        return cls(**{f: float(a[i]) for f, i in _OFFSET.items()},
+                   depth_hist=a[_HIST:_POLICY].copy(),
+                   **{f: float(a[_POLICY + i]) for i, f in enumerate(POLICY_FIELDS)},
+                   chosen_hist=a[_CHOSEN:_CAL].copy(), calibration=a[_CAL:_COST].copy(),
+                   cost=a[_COST:_SIZE].copy())
 
     def __sub__(self, other: "Snapshot") -> "Snapshot":
+        """The increase of every counter; gauges keep this snapshot's value."""
         return Snapshot(*(getattr(self, f) - getattr(other, f) for f in FIELDS),
-                        depth_hist=self.depth_hist - other.depth_hist)
+                        depth_hist=self.depth_hist - other.depth_hist,
+                        **{f: getattr(self, f) - getattr(other, f) for f in POLICY_FIELDS},
+                        chosen_hist=self.chosen_hist - other.chosen_hist,
+                        calibration=self.calibration.copy(), cost=self.cost.copy())
+
+    @property
+    def nodes_per_decision(self) -> float | None:
+        """Mean nodes the adaptive budget chose per step (whole batch)."""
+        return self.chosen_nodes / self.decided_steps if self.decided_steps else None
 
     @property
     def acceptance_length(self) -> float | None:
@@ -139,7 +177,7 @@ class CounterWriter:
         a[2] += 1  # odd: step in progress
         for f, v in inc.items():
             a[_OFFSET[f]] += v
-        a[_HIST:] += hist
+        a[_HIST:_POLICY] += hist
         a[2] += 1  # even: consistent
 
     def add_totals(self, totals) -> None:
@@ -154,8 +192,27 @@ class CounterWriter:
             return
         a = self._a
         a[2] += 1  # odd: step in progress
-        a[_HEADER:] += t
+        a[_HEADER:_POLICY] += t
         a[2] += 1  # even: consistent
+
+    def add_choice(self, nodes: int, calibration=None, cost=None) -> None:
+        """One adaptive-budget decision: ``nodes`` chosen over the batch; the
+        calibration table and the cost gauges (``COST_GAUGES``, seconds) when
+        they are known."""
+        nodes = int(nodes)
+        if nodes < 0:
+            raise ValueError("DDTree stats: chosen nodes must be >= 0")
+        a = self._a
+        a[2] += 1
+        a[_POLICY] += 1
+        a[_POLICY + 1] += nodes == 0
+        a[_POLICY + 2] += nodes
+        a[_CHOSEN + min(nodes.bit_length(), CHOSEN_BINS - 1)] += 1
+        if calibration is not None:
+            a[_CAL:_COST] = np.asarray(calibration, dtype=np.float64)[:CAL_BINS]
+        if cost is not None:
+            a[_COST:_SIZE] = np.asarray(cost, dtype=np.float64)
+        a[2] += 1
 
     def snapshot(self) -> Snapshot:
         return Snapshot.from_array(self._a)

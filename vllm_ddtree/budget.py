@@ -1,0 +1,376 @@
+"""The adaptive tree budget: how many draft nodes each request verifies per step.
+
+Pure torch and Python (no vLLM import). The runner owns one
+:class:`AdaptivePolicy`; per step it asks three questions:
+
+1. *Draft at all?* (:meth:`AdaptivePolicy.should_draft`). While the policy
+   is in plain mode (the last decision verified nothing), the drafter's block
+   forward is skipped; only the drafter's context K/V is stored, so that a
+   later drafting step sees the whole context. The policy drafts again when
+   its prediction from recent trees says trees would pay at the current batch
+   size, and every ``probe_every`` plain steps in any case.
+2. *How many nodes, for whom?* (:meth:`AdaptivePolicy.choose`). Given the
+   fresh trees, every node gets a value: its calibrated acceptance
+   probability. Because a node's prefix probability never exceeds its
+   parent's, and the calibration is monotone, the top ``n`` nodes of a request
+   in flat order are its ``n`` most valuable nodes, and the global top ``N``
+   over the batch is a set of per-request trees. :func:`choose_budgets` picks
+   the ``N`` (0 allowed) that maximises expected committed tokens per second,
+   ``(R + sum of the chosen values) / cost(R + N)``, and compares it with a
+   plain step's ``R / cost_plain(R)``.
+3. *What did it cost, and what was accepted?* (:meth:`AdaptivePolicy.observe`,
+   :meth:`Calibration.observe`). Measured step times refine the cost model;
+   the walk's outcome per node refines the calibration.
+
+Value of a node
+    The drafter's prefix probability ``q(u)`` is its own estimate of the
+    chance that node ``u`` is accepted. :class:`Calibration` keeps, per bin
+    of ``log q``, decayed counts of verified and accepted nodes, blends them
+    with a prior (``q`` times the global realised/expected ratio) and makes the
+    table monotone in ``q`` (pool-adjacent-violators).
+
+Cost of a step
+    :class:`CostModel`: seconds per engine step as a piecewise-linear curve of
+    the step's query tokens ``T`` (target forward, sampling, the walk and the
+    engine's own per-step work), plus the drafter's forward as a curve of the
+    number of requests. Both are profiled at engine start from dummy forwards
+    over a ladder of sizes and refined online from measured steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["AdaptivePolicy", "Calibration", "CostModel", "PiecewiseLinear",
+           "choose_budgets", "ladder", "parse_pinned_cost"]
+
+# Calibration bins over log q: bin k covers (-(k+1) w, -k w].
+CAL_BINS = 32
+CAL_WIDTH = 0.5
+
+
+def ladder(hi: int) -> list[int]:
+    """1, 2, 4, ... up to and including ``hi``."""
+    out, x = [], 1
+    while x < hi:
+        out.append(x)
+        x *= 2
+    out.append(max(int(hi), 1))
+    return sorted(set(out))
+
+
+# ---------------------------------------------------------------- cost curves
+class PiecewiseLinear:
+    """A non-decreasing piecewise-linear curve ``y(x)`` on fixed knots,
+    extrapolated with the last segment's slope; refined online."""
+
+    def __init__(self, xs: list[int], ys: list[float]):
+        if len(xs) != len(ys) or not xs:
+            raise ValueError("PiecewiseLinear: one value per knot")
+        self.xs = [float(x) for x in xs]
+        self.ys = [float(y) for y in ys]
+        self._fix()
+
+    def _fix(self) -> None:
+        run = 0.0
+        for i, y in enumerate(self.ys):  # non-decreasing, positive
+            run = max(run, y, 1e-7)
+            self.ys[i] = run
+
+    def _bracket(self, x: float) -> tuple[int, int, float]:
+        xs = self.xs
+        if len(xs) == 1:
+            return 0, 0, 0.0
+        i = 0
+        while i < len(xs) - 2 and x > xs[i + 1]:
+            i += 1
+        f = (x - xs[i]) / (xs[i + 1] - xs[i])
+        return i, i + 1, max(f, 0.0)  # f > 1: extrapolate
+
+    def __call__(self, x: float) -> float:
+        i, j, f = self._bracket(float(x))
+        if i == j:
+            return self.ys[0]
+        return self.ys[i] + (self.ys[j] - self.ys[i]) * f
+
+    def at(self, x: Tensor) -> Tensor:
+        """The curve at every element of ``x`` (float64, same device)."""
+        xs = torch.tensor(self.xs, dtype=torch.float64, device=x.device)
+        ys = torch.tensor(self.ys, dtype=torch.float64, device=x.device)
+        x = x.double()
+        if len(self.xs) == 1:
+            return ys[0].expand_as(x).clone()
+        i = (torch.searchsorted(xs, x, right=True) - 1).clamp(0, len(self.xs) - 2)
+        f = ((x - xs[i]) / (xs[i + 1] - xs[i])).clamp(min=0.0)
+        return ys[i] + (ys[i + 1] - ys[i]) * f
+
+    def update(self, x: float, y: float, rate: float) -> None:
+        """Move the curve at ``x`` a fraction ``rate`` of the way to ``y``
+        (the error is shared by the two knots around ``x``; outliers are
+        clipped to [0.5, 2] times the current value)."""
+        cur = self(x)
+        err = min(max(y, 0.5 * cur), 2.0 * cur) - cur
+        i, j, f = self._bracket(float(x))
+        f = min(f, 1.0)
+        self.ys[i] += rate * (1.0 - f) * err
+        if j != i:
+            self.ys[j] += rate * f * err
+        self._fix()
+
+
+@dataclass
+class CostModel:
+    """Seconds per engine step.
+
+    * ``verify(T)``: a step with ``T`` query tokens, without the drafter
+      (target forward, sampling or the walk, the engine's per-step work);
+    * ``draft(R)``: the drafter's forward for ``R`` requests (context K/V plus
+      one block).
+
+    A plain step costs ``verify(R)``; a tree step with ``N`` nodes in total
+    ``verify(R + N) + draft(R)``.
+    """
+
+    verify: PiecewiseLinear
+    draft: PiecewiseLinear
+    pinned: bool = False  # set from VLLM_DDTREE_COST_MODEL: never refined
+    rate: float = 0.2  # online refinement per measured step
+    measured: int = 0
+
+    def plain_step(self, num_reqs: int) -> float:
+        return self.verify(num_reqs)
+
+    def tree_steps(self, num_reqs: int, max_nodes: int, device) -> Tensor:
+        """``[max_nodes + 1]`` float64: a tree step's seconds with N = 0..max_nodes."""
+        t = torch.arange(num_reqs, num_reqs + max_nodes + 1, device=device)
+        return self.verify.at(t) + self.draft(num_reqs)
+
+    def observe(self, num_reqs: int, num_tokens: int, step_s: float, draft_s: float) -> None:
+        """One measured engine step (``draft_s`` = 0 when the drafter's block
+        forward was skipped)."""
+        if self.pinned or step_s <= 0:
+            return
+        self.measured += 1
+        if draft_s > 0:
+            self.draft.update(num_reqs, draft_s, self.rate)
+        self.verify.update(num_tokens, max(step_s - draft_s, 1e-6), self.rate)
+
+
+def parse_pinned_cost(text: str, max_tokens: int, max_reqs: int) -> CostModel:
+    """``"A,B,D"`` (milliseconds): a step costs ``A + B * T``, plus ``D`` when
+    the drafter runs. For experiments and tests; never refined."""
+    try:
+        a, b, d = (float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"VLLM_DDTREE_COST_MODEL must be 'A,B,D' in milliseconds (a step "
+                         f"costs A + B * tokens, plus D with the drafter), got {text!r}") from None
+    if min(a, b, d) < 0 or a + b <= 0:
+        raise ValueError(f"VLLM_DDTREE_COST_MODEL: A, B, D must be >= 0 and A + B > 0, "
+                         f"got {text!r}")
+    xs = [1, max(max_tokens, 2)]
+    verify = PiecewiseLinear(xs, [(a + b * x) / 1e3 for x in xs])
+    draft = PiecewiseLinear([1, max(max_reqs, 2)], [d / 1e3, d / 1e3])
+    return CostModel(verify, draft, pinned=True)
+
+
+# ---------------------------------------------------------------- the choice
+def choose_budgets(values: Tensor, tree_step_s: Tensor, plain_step_s: float,
+                   min_nodes: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """The batch-optimal number of nodes per request.
+
+    ``values``: ``[R, B]`` each node's value (expected accepted tokens), per
+    request in flat order (made non-increasing along the row here; 0 for
+    nodes that do not exist). ``tree_step_s``: ``[R*B + 1]`` a tree step's
+    cost with ``N = 0..R*B`` nodes. ``plain_step_s``: a plain step's cost.
+    ``min_nodes``: verify at least this many nodes even if a plain step would
+    pay more (exploration).
+
+    Returns ``(budgets [R] int64, nodes 0-d int64, tokens_per_s 0-d float64)``
+    where ``tokens_per_s`` is the expected rate of the choice. No host sync.
+    """
+    num_reqs, width = values.shape
+    v = values.double().clamp(min=0.0).cummin(dim=1).values
+    flat = v.reshape(-1)
+    # Stable: equal values keep flat order, so each request's share is a prefix.
+    order = torch.argsort(flat, descending=True, stable=True)
+    gain = F.pad(flat[order].cumsum(0), (1, 0))
+    rate = (num_reqs + gain) / tree_step_s
+    if min_nodes > 0:
+        rate = rate.masked_fill(torch.arange(rate.shape[0], device=rate.device)
+                                < min(min_nodes, rate.shape[0] - 1), -1.0)
+    best = rate.argmax()  # the first (smallest N) of equal rates
+    plain_rate = torch.tensor(num_reqs / plain_step_s, dtype=torch.float64,
+                              device=values.device)
+    take = (rate[best] > plain_rate) | (min_nodes > 0)
+    nodes = torch.where(take, best, torch.zeros_like(best))
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.shape[0], device=order.device)
+    budgets = (rank < nodes).view(num_reqs, width).sum(1)
+    return budgets, nodes, torch.where(take, rate[best], plain_rate)
+
+
+# ---------------------------------------------------------------- calibration
+def _bins(logq: Tensor) -> Tensor:
+    return (-logq.float() / CAL_WIDTH).floor().clamp(0, CAL_BINS - 1).long()
+
+
+def isotonic_decreasing(y: list[float], w: list[float]) -> list[float]:
+    """Weighted least-squares fit of ``y`` that is non-increasing in the index
+    (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for yi, wi in zip(y, w):
+        blocks.append([yi, max(wi, 1e-12), 1])
+        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
+            m2, w2, c2 = blocks.pop()
+            m1, w1, c1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, c1 + c2])
+    out: list[float] = []
+    for m, _, c in blocks:
+        out += [m] * c
+    return out
+
+
+class Calibration:
+    """Realised acceptance probability as a function of the drafter's ``q``.
+
+    Counts per bin of ``log q`` decay by ``decay`` per observed step, so the
+    table follows the traffic. Before data, a node is worth its ``q``.
+    """
+
+    def __init__(self, device, decay: float = 0.995, prior_weight: float = 4.0):
+        self.device = torch.device(device)
+        self.decay = decay
+        self.prior_weight = prior_weight
+        self.counts = torch.zeros(3, CAL_BINS, dtype=torch.float64, device=self.device)
+        centres = [math.exp(-(k + 0.5) * CAL_WIDTH) for k in range(CAL_BINS)]
+        self.table = list(centres)  # host: acceptance probability per bin
+        self._table_dev = torch.tensor(self.table, dtype=torch.float64, device=self.device)
+        self.observed_steps = 0
+
+    def observe(self, logq: Tensor, verified: Tensor, accepted: Tensor) -> None:
+        """One walked step: ``[R, B]`` log q, verified and accepted flags of the
+        drafter's nodes. Device only."""
+        b = _bins(logq).reshape(-1)
+        w = verified.reshape(-1).double()
+        upd = torch.stack([
+            torch.bincount(b, weights=w, minlength=CAL_BINS),
+            torch.bincount(b, weights=w * accepted.reshape(-1).double(), minlength=CAL_BINS),
+            torch.bincount(b, weights=w * logq.reshape(-1).double().exp(), minlength=CAL_BINS),
+        ])
+        self.counts.mul_(self.decay).add_(upd)
+        self.observed_steps += 1
+
+    def refresh(self) -> list[float]:
+        """Recompute the table from the counts (one small host copy)."""
+        trials, hits, qsum = self.counts.tolist()
+        prior_ratio = (sum(hits) + self.prior_weight) / (sum(qsum) + self.prior_weight)
+        rates, weights = [], []
+        for k in range(CAL_BINS):
+            centre = math.exp(-(k + 0.5) * CAL_WIDTH)
+            qbar = qsum[k] / trials[k] if trials[k] > 1e-9 else centre
+            prior = min(1.0, qbar * prior_ratio)
+            rates.append((hits[k] + self.prior_weight * prior) / (trials[k] + self.prior_weight))
+            weights.append(trials[k] + self.prior_weight)
+        self.table = [min(max(r, 0.0), 1.0) for r in isotonic_decreasing(rates, weights)]
+        self._table_dev = torch.tensor(self.table, dtype=torch.float64, device=self.device)
+        return self.table
+
+    def value(self, logq: Tensor) -> Tensor:
+        """Calibrated acceptance probability of nodes with prefix log-prob
+        ``logq`` (linear between bin centres, monotone in ``q``)."""
+        x = (-logq.double() / CAL_WIDTH - 0.5).clamp(0, CAL_BINS - 1)
+        i = x.floor().long().clamp(max=CAL_BINS - 2)
+        f = x - i
+        t = self._table_dev
+        return t[i] * (1 - f) + t[i + 1] * f
+
+
+# ---------------------------------------------------------------- the policy
+@dataclass
+class Decision:
+    """What the policy chose for the next step (device values)."""
+
+    budgets: Tensor  # [R] int64 nodes per request
+    nodes: Tensor  # 0-d int64 total
+    rate: Tensor  # 0-d float64 expected tokens/s of the choice
+    probe: bool
+
+
+class AdaptivePolicy:
+    """Per-step tree budgets for a batch (see the module docstring)."""
+
+    def __init__(self, budget: int, cost: CostModel, device, probe_every: int = 32,
+                 refresh_every: int = 8):
+        self.budget = budget
+        self.cost = cost
+        self.device = torch.device(device)
+        self.calibration = Calibration(device)
+        self.probe_every = probe_every
+        self.refresh_every = refresh_every
+        self.plain = False  # the last decision verifies nothing
+        self.plain_run = 0  # steps since the drafter last drafted
+        # Mean calibrated value of a request's k-th node over recent trees.
+        self.rank_values = torch.zeros(budget, dtype=torch.float64, device=self.device)
+        self._rank_values_host: list[float] | None = None
+        self._seen_trees = False
+        self._steps = 0
+
+    # -- 1. draft at all?
+    def should_draft(self, num_reqs: int) -> bool:
+        if not self.plain:
+            return True
+        if self.plain_run >= self.probe_every:
+            return True
+        return self.predicted_tree_rate(num_reqs) > num_reqs / self.cost.plain_step(num_reqs)
+
+    def predicted_tree_rate(self, num_reqs: int) -> float:
+        """Best tokens/s of a tree step for ``num_reqs`` requests whose trees
+        look like the recent ones (same nodes for each request)."""
+        if not self._seen_trees:
+            return 0.0
+        if self._rank_values_host is None:
+            self._rank_values_host = self.rank_values.tolist()
+        best, cum = 0.0, 0.0
+        draft = self.cost.draft(num_reqs)
+        for n, v in enumerate(self._rank_values_host, start=1):
+            cum += v
+            rate = num_reqs * (1 + cum) / (self.cost.verify(num_reqs * (1 + n)) + draft)
+            best = max(best, rate)
+        return best
+
+    def skipped(self) -> None:
+        """The drafter's block was skipped this step."""
+        self.plain_run += 1
+
+    # -- 2. how many nodes, for whom?
+    def choose(self, logq: Tensor, valid: Tensor) -> Decision:
+        """Budgets for the trees just drafted (``[R, B]`` log q and validity)."""
+        num_reqs, width = logq.shape
+        self._steps += 1
+        if self._steps % self.refresh_every == 1:
+            self.calibration.refresh()
+        values = self.calibration.value(logq) * valid
+        probe = self.plain and self.plain_run >= self.probe_every
+        self.plain_run = 0
+        tree_s = self.cost.tree_steps(num_reqs, num_reqs * width, values.device)
+        min_nodes = num_reqs * min(width, 4) if probe else 0
+        budgets, nodes, rate = choose_budgets(values, tree_s, self.cost.plain_step(num_reqs),
+                                              min_nodes=min_nodes)
+        mean = values.cummin(dim=1).values.mean(0)
+        self.rank_values[:width].mul_(0.9).add_(0.1 * mean)
+        self._rank_values_host = None
+        self._seen_trees = True
+        return Decision(budgets, nodes, rate, probe)
+
+    def decided(self, total_nodes: int) -> None:
+        """The host learnt the choice (when the scheduler takes the drafts)."""
+        self.plain = total_nodes == 0
+
+    # -- 3. what did it cost?
+    def observe(self, num_reqs: int, num_tokens: int, step_s: float, draft_s: float) -> None:
+        self.cost.observe(num_reqs, num_tokens, step_s, draft_s)

@@ -43,7 +43,8 @@ def main() -> None:
     arms = [("dflash chain", {"method": "dflash", "model": args.drafter,
                               "num_speculative_tokens": args.chain_k})]
     arms += [(f"ddtree B={b}", {"method": "ddtree", "model": args.drafter,
-                                "num_speculative_tokens": b}) for b in args.budgets]
+                                "num_speculative_tokens": b, "ddtree_adaptive": False})
+             for b in args.budgets]
     rows = []
     ref = None
     with tempfile.TemporaryDirectory() as tmp:

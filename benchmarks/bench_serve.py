@@ -155,7 +155,12 @@ def main() -> None:
     dataset = tmp / "humaneval.jsonl"
     dataset.write_text("".join(json.dumps({"prompt": p}) + "\n"
                                for p in humaneval_prompts(164)))
-    servers = {name: start_server(name, spec, args, tmp) for name, spec in arms}
+    # One server at a time: each profiles its step cost at start, which
+    # another server compiling beside it would distort.
+    servers = {}
+    for name, spec in arms:
+        servers[name] = start_server(name, spec, args, tmp)
+        wait_ready(*servers[name])
     results: dict[str, dict[int, list[dict]]] = {n: {c: [] for c in args.concurrency}
                                                  for n, _ in arms}
     try:

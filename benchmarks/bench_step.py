@@ -331,7 +331,8 @@ def main(argv=None) -> int:
     max_c = max(args.concurrency)
     arms = {
         "chain": {"method": "dflash", "model": args.drafter, "num_speculative_tokens": args.k},
-        "ddtree": {"method": "ddtree", "model": args.drafter, "num_speculative_tokens": args.k},
+        "ddtree": {"method": "ddtree", "model": args.drafter, "num_speculative_tokens": args.k,
+                   "ddtree_adaptive": False},
     }
     ctx = mp.get_context("spawn")
     procs, conns = {}, {}

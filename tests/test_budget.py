@@ -125,16 +125,36 @@ def test_cost_model_refines_towards_measurements():
     assert ladder(64) == [1, 2, 4, 8, 16, 32, 64] and ladder(5) == [1, 2, 4, 5]
     cost = CostModel(curve, PiecewiseLinear([1, 8], [0.5, 0.5]))
     for _ in range(60):  # the truth: 1 + 0.05 T seconds, drafter 0.2 s
-        for t in (1, 4, 16, 40):
+        for t in (1, 4, 16, 32):
             cost.observe(1, t, 1.0 + 0.05 * t + 0.2, 0.2)
-    for t in (1, 4, 16, 40):
+    for t in (1, 4, 16, 32):  # each knot learns the steps of its own cell
         assert cost.verify(t) == pytest.approx(1 + 0.05 * t, rel=0.03)
+    assert cost.verify(40) == pytest.approx(1 + 0.05 * 40, rel=0.15)
     assert cost.draft(1) == pytest.approx(0.2, rel=0.01)
     # Non-decreasing whatever the noise.
     assert all(a <= b for a, b in zip(cost.verify.ys, cost.verify.ys[1:]))
     t = torch.tensor([1.0, 3.0, 100.0], dtype=torch.float64)
     assert cost.verify.at(t).tolist() == pytest.approx([cost.verify(1), cost.verify(3),
                                                         cost.verify(100)])
+
+
+def test_unmeasured_sizes_follow_the_measured_level():
+    """A profile taken on a busy machine (3x slow): steps measured at one size
+    pull the whole curve down in proportion; a measured knot keeps its own
+    value."""
+    xs = ladder(64)
+    truth = [1e-3 * (2 + 0.1 * x) for x in xs]
+    curve = PiecewiseLinear(xs, [3 * t for t in truth])
+    for _ in range(40):
+        curve.update(64, truth[-1], 0.3)
+    assert curve(64) == pytest.approx(truth[-1], rel=0.02)
+    assert curve(1) == pytest.approx(truth[0], rel=0.1)
+    assert curve.confidence(64) > 10 and curve.confidence(1) == 0
+    for _ in range(40):
+        curve.update(1, 2 * truth[0], 0.3)  # a different level at small sizes
+    assert curve(1) == pytest.approx(2 * truth[0], rel=0.05)
+    assert curve(64) == pytest.approx(truth[-1], rel=0.05)
+    assert truth[0] < curve(8) < 2 * truth[3]
 
 
 def test_pinned_cost_model():
@@ -173,3 +193,22 @@ def test_policy_goes_plain_and_probes():
     assert pol.should_draft(1)
     d = pol.choose(logq, valid)
     assert int(d.nodes) == 8
+
+
+def test_policy_measures_plain_steps_while_trees_pay():
+    """Trees every step leave the plain step's cost unmeasured; one decision
+    in probe_every verifies nothing until it has been measured."""
+    xs = ladder(64)
+    cost = CostModel(PiecewiseLinear(xs, [1e-3] * len(xs)),  # flat: trees always pay
+                     PiecewiseLinear([1, 64], [1e-4, 1e-4]))
+    pol = AdaptivePolicy(4, cost, "cpu", probe_every=3)
+    logq = torch.log(torch.tensor([[0.9, 0.8, 0.7, 0.6]]))
+    valid = torch.ones_like(logq, dtype=torch.bool)
+    chosen = []
+    for _ in range(8):
+        d = pol.choose(logq, valid)
+        chosen.append(int(d.nodes))
+        pol.decided(int(d.nodes))
+        if int(d.nodes) == 0:  # the plain step is measured at its size
+            cost.observe(1, 1, 1e-3, 0.0)
+    assert chosen == [4, 4, 4, 0, 4, 4, 4, 4], chosen

@@ -41,6 +41,23 @@ def test_default_budget_and_depth(tiny_pair):
     spec = _engine_config(target, {"method": "ddtree", "model": drafter}).speculative_config
     assert spec.ddtree.budget == DEFAULT_BUDGET == spec.num_speculative_tokens
     assert spec.ddtree.depth == 15
+    assert spec.ddtree.adaptive is True
+
+
+def test_fixed_budget_option(tiny_pair):
+    target, drafter = tiny_pair
+    spec = _engine_config(target, {"method": "ddtree", "model": drafter,
+                                   "ddtree_adaptive": False}).speculative_config
+    assert spec.ddtree.adaptive is False
+
+
+@pytest.mark.parametrize("value", ["false", 0, None])
+def test_adaptive_must_be_a_boolean(value):
+    from vllm_ddtree.config import DDTreeConfig
+
+    with pytest.raises(DDTreeConfigError, match=r"speculative_config\.ddtree_adaptive"):
+        DDTreeConfig.from_speculative_dict({"method": "ddtree", "model": "m",
+                                            "ddtree_adaptive": value})
 
 
 def test_other_methods_untouched(tiny_pair):

@@ -1,4 +1,8 @@
-"""Greedy DDTree is token-identical to plain decoding (CPU, fp32, tiny pair)."""
+"""Greedy DDTree is token-identical to plain decoding (CPU, fp32, tiny pair).
+
+These runs pin the budget (``ddtree_adaptive: false``), so that every step
+verifies B nodes per request; ``test_e2e_adaptive.py`` covers the adaptive
+budget."""
 
 from __future__ import annotations
 
@@ -31,7 +35,8 @@ def _ddtree(tiny_pair, tmp_path, budget, eager=True):
     return run_job({"model": target, "prompts": PROMPTS, "sampling": SAMPLING,
                     "llm": {"enforce_eager": eager},
                     "speculative_config": {"method": "ddtree", "model": drafter,
-                                           "num_speculative_tokens": budget}}, tmp_path)
+                                           "num_speculative_tokens": budget,
+                                           "ddtree_adaptive": False}}, tmp_path)
 
 
 def _assert_identical(res, plain, what):

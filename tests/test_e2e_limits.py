@@ -19,7 +19,8 @@ def test_preemption_keeps_greedy_identical(tiny_pair, tmp_path):
                     "enable_prefix_caching": False}}
     plain = run_job(base, tmp_path)
     tree = run_job(dict(base, speculative_config={"method": "ddtree", "model": drafter,
-                                                  "num_speculative_tokens": 32}), tmp_path)
+                                                  "num_speculative_tokens": 32,
+                                                  "ddtree_adaptive": False}), tmp_path)
     assert tree["preemptions"] > 0, "the test did not force any preemption"
     assert tree["outputs"] == plain["outputs"]
 
@@ -38,7 +39,8 @@ def test_prompts_near_max_model_len(tiny_pair, tmp_path):
             "llm": {"max_model_len": max_len, "max_num_seqs": 8}}
     plain = run_job(base, tmp_path)
     tree = run_job(dict(base, speculative_config={"method": "ddtree", "model": drafter,
-                                                  "num_speculative_tokens": 64}), tmp_path)
+                                                  "num_speculative_tokens": 64,
+                                                  "ddtree_adaptive": False}), tmp_path)
     for p, out in zip(prompts, tree["outputs"]):
         assert 1 <= len(out) and len(p) + len(out) <= max_len
     assert tree["outputs"] == plain["outputs"]

@@ -34,7 +34,8 @@ def two_turns(tiny_pair, tmp_path_factory):
             "followup": {"suffix": SUFFIX, "sampling": TURN2}}
     plain = run_job(base, tmp_path_factory.mktemp("plain"))
     tree = run_job(dict(base, speculative_config={"method": "ddtree", "model": drafter,
-                                                  "num_speculative_tokens": 32}),
+                                                  "num_speculative_tokens": 32,
+                                                  "ddtree_adaptive": False}),
                    tmp_path_factory.mktemp("ddtree"))
     return plain, tree
 

@@ -94,13 +94,14 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("sampling")
 
 
-def _run(tiny_pair, prompts, workdir, seed, samples=SAMPLES, **job) -> dict:
+def _run(tiny_pair, prompts, workdir, seed, samples=SAMPLES, adaptive=False, **job) -> dict:
     target, drafter = tiny_pair
     sampling = {"temperature": TEMPERATURE, "top_k": TOP_K, "top_p": TOP_P,
                 "max_tokens": MAX_TOKENS, "ignore_eos": True, "n": samples}
     base = {"model": target, "prompts": prompts, "sampling": sampling,
             "speculative_config": {"method": "ddtree", "model": drafter,
-                                   "num_speculative_tokens": BUDGET},
+                                   "num_speculative_tokens": BUDGET,
+                                   "ddtree_adaptive": adaptive},
             "llm": {"max_num_seqs": 256, "seed": seed}}
     result = run_job(dict(base, **job), workdir)
     for comps in result["outputs"]:
@@ -122,6 +123,15 @@ def _deep_accepted(result) -> int:
 @pytest.fixture(scope="module")
 def ddtree(tiny_pair, prompts, workdir, target):
     result = _run(tiny_pair, prompts, workdir, seed=1234)
+    return result, _rescore(target, prompts, result)
+
+
+@pytest.fixture(scope="module")
+def adaptive(tiny_pair, prompts, workdir, target):
+    """The adaptive budget with a pinned cost model under which budgets
+    differ per request and step (``test_e2e_adaptive.COST_MIXED``)."""
+    result = _run(tiny_pair, prompts, workdir, seed=4321, adaptive=True,
+                  env={"VLLM_DDTREE_COST_MODEL": "10,0.05,1"})
     return result, _rescore(target, prompts, result)
 
 
@@ -158,6 +168,19 @@ def test_ddtree_sampling_matches_the_target(ddtree):
         f"too many tokens outside the target's nucleus: {scored.summary()}")
     assert scored.ks_p > P_MIN, f"ddtree tokens are not target samples: {scored.summary()}"
     assert scored.ks_p_id > P_MIN, f"ddtree tokens are not target samples: {scored.summary()}"
+
+
+def test_adaptive_budget_sampling_matches_the_target(adaptive):
+    result, scored = adaptive
+    spec = result["spec"]
+    print(f"\nadaptive: {scored.summary()}, tau {spec['tau']:.3f}, "
+          f"{spec['draft_tokens'] / spec['drafts']:.1f} nodes per draft")
+    assert 1 < spec["draft_tokens"] / spec["drafts"] < BUDGET - 1, "budgets did not adapt"
+    assert _deep_accepted(result) >= MIN_DEEP_FRACTION * scored.count
+    assert scored.miss_fraction <= MAX_MISS_FRACTION, scored.summary()
+    assert scored.ks_p > P_MIN, f"adaptive ddtree tokens are not target samples: {scored.summary()}"
+    assert scored.ks_p_id > P_MIN, f"adaptive ddtree tokens are not target samples: " \
+                                   f"{scored.summary()}"
 
 
 def test_root_only_mask_is_detected(root_only_mask):

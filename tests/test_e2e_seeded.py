@@ -54,7 +54,8 @@ def engine_runs(tiny_pair, tmp_path_factory):
     """Each configuration runs at most once per module, on first use (a failed
     run is not retried); the result carries the probe's counts under ``"probe"``."""
     target, drafter = tiny_pair
-    tree = {"method": "ddtree", "model": drafter, "num_speculative_tokens": 16}
+    tree = {"method": "ddtree", "model": drafter, "num_speculative_tokens": 16,
+            "ddtree_adaptive": False}
     configs = {"plain-chunked": (None, CHUNKED, True), "plain-whole": (None, WHOLE, True),
                "tree-chunked": (tree, CHUNKED, False)}
     done: dict[str, dict | Exception] = {}

@@ -155,6 +155,6 @@ def test_stock_attention_on_the_target_is_refused(tiny_pair, tmp_path, breaker, 
     target, drafter = tiny_pair
     job = dict(GUARD_JOB, model=target, setup=breaker,
                speculative_config={"method": "ddtree", "model": drafter,
-                                   "num_speculative_tokens": 8})
+                                   "num_speculative_tokens": 8, "ddtree_adaptive": False})
     with pytest.raises(RuntimeError, match=message):
         run_job(job, tmp_path, timeout=300)

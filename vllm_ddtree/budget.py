@@ -20,7 +20,10 @@ Pure torch and Python (no vLLM import). The runner owns one
    plain step's ``R / cost_plain(R)``.
 3. *What did it cost, and what was accepted?* (:meth:`AdaptivePolicy.observe`,
    :meth:`Calibration.observe`). Measured step times refine the cost model;
-   the walk's outcome per node refines the calibration.
+   the walk's outcome per node refines the calibration. While trees are
+   chosen every step, one decision in ``probe_every`` verifies nothing when
+   the cost of a plain step at the current batch size has not been measured
+   lately.
 
 Value of a node
     The drafter's prefix probability ``q(u)`` is its own estimate of the
@@ -66,21 +69,50 @@ def ladder(hi: int) -> list[int]:
 
 # ---------------------------------------------------------------- cost curves
 class PiecewiseLinear:
-    """A non-decreasing piecewise-linear curve ``y(x)`` on fixed knots,
-    extrapolated with the last segment's slope; refined online."""
+    """Seconds as a non-decreasing piecewise-linear function of a size ``x``
+    on fixed knots (extrapolated with the last segment's slope).
 
-    def __init__(self, xs: list[int], ys: list[float]):
+    A profile (measured at start) gives the shape; measured steps give the
+    values. Each knot keeps a learnt value ``Y`` (moved towards every
+    measurement nearest to it), a confidence ``W`` (how much it has been measured,
+    decayed) and its profiled value ``P``. A knot's value is
+    ``(W*Y + P*r) / (W + 1)``, where ``r`` is the measured/profiled ratio of
+    the nearest measured knots on either side (interpolated in log size):
+    knots no step has reached follow the level of those that steps did reach
+    (a profile taken on a busy machine is slow, not wrong in shape).
+    """
+
+    def __init__(self, xs: list[int], ys: list[float], decay: float = 0.998):
         if len(xs) != len(ys) or not xs:
             raise ValueError("PiecewiseLinear: one value per knot")
         self.xs = [float(x) for x in xs]
-        self.ys = [float(y) for y in ys]
-        self._fix()
+        self.profile = [max(float(y), 1e-7) for y in ys]
+        self.learnt = list(self.profile)
+        self.weight = [0.0] * len(xs)
+        self.decay = decay
+        self._logx = [math.log2(max(x, 1e-9)) for x in self.xs]
+        self.ys: list[float] = []
+        self._refresh()
 
-    def _fix(self) -> None:
-        run = 0.0
-        for i, y in enumerate(self.ys):  # non-decreasing, positive
-            run = max(run, y, 1e-7)
-            self.ys[i] = run
+    def _refresh(self) -> None:
+        seen = [j for j, w in enumerate(self.weight) if w > 0.05]
+        logr = {j: math.log(self.learnt[j] / self.profile[j]) for j in seen}
+        ys, run = [], 0.0
+        for k in range(len(self.xs)):
+            left = max((j for j in seen if j <= k), default=None)
+            right = min((j for j in seen if j >= k), default=None)
+            if left is None and right is None:
+                lr = 0.0
+            elif left is None or right is None or left == right:
+                lr = logr[left if right is None else right]
+            else:  # between two measured knots: interpolate in log size
+                f = (self._logx[k] - self._logx[left]) / (self._logx[right] - self._logx[left])
+                lr = logr[left] + (logr[right] - logr[left]) * f
+            w = self.weight[k]
+            y = (w * self.learnt[k] + self.profile[k] * math.exp(lr)) / (w + 1.0)
+            run = max(run, y, 1e-7)  # non-decreasing
+            ys.append(run)
+        self.ys = ys
 
     def _bracket(self, x: float) -> tuple[int, int, float]:
         xs = self.xs
@@ -92,11 +124,20 @@ class PiecewiseLinear:
         f = (x - xs[i]) / (xs[i + 1] - xs[i])
         return i, i + 1, max(f, 0.0)  # f > 1: extrapolate
 
-    def __call__(self, x: float) -> float:
+    def _interp(self, ys: list[float], x: float) -> float:
         i, j, f = self._bracket(float(x))
         if i == j:
-            return self.ys[0]
-        return self.ys[i] + (self.ys[j] - self.ys[i]) * f
+            return ys[0]
+        return ys[i] + (ys[j] - ys[i]) * f
+
+    def __call__(self, x: float) -> float:
+        return self._interp(self.ys, x)
+
+    def confidence(self, x: float) -> float:
+        """How much the curve has been measured near ``x`` (decayed count of
+        the nearest knot)."""
+        lx = math.log2(max(float(x), 1e-9))
+        return self.weight[min(range(len(self.xs)), key=lambda j: abs(self._logx[j] - lx))]
 
     def at(self, x: Tensor) -> Tensor:
         """The curve at every element of ``x`` (float64, same device)."""
@@ -110,17 +151,17 @@ class PiecewiseLinear:
         return ys[i] + (ys[i + 1] - ys[i]) * f
 
     def update(self, x: float, y: float, rate: float) -> None:
-        """Move the curve at ``x`` a fraction ``rate`` of the way to ``y``
-        (the error is shared by the two knots around ``x``; outliers are
-        clipped to [0.5, 2] times the current value)."""
-        cur = self(x)
-        err = min(max(y, 0.5 * cur), 2.0 * cur) - cur
-        i, j, f = self._bracket(float(x))
-        f = min(f, 1.0)
-        self.ys[i] += rate * (1.0 - f) * err
-        if j != i:
-            self.ys[j] += rate * f * err
-        self._fix()
+        """One measurement ``y`` at ``x``: the knot nearest to ``x`` (in log
+        size) moves a fraction ``rate`` of the way (outliers clipped to 0.5-2x
+        its value) and gains confidence; each knot thus averages the steps of
+        its own cell."""
+        lx = math.log2(max(float(x), 1e-9))
+        k = min(range(len(self.xs)), key=lambda j: abs(self._logx[j] - lx))
+        cur = self.learnt[k]
+        self.learnt[k] = cur + rate * (min(max(y, 0.5 * cur), 2.0 * cur) - cur)
+        self.weight = [w * self.decay for w in self.weight]
+        self.weight[k] += 1.0
+        self._refresh()
 
 
 @dataclass
@@ -314,6 +355,7 @@ class AdaptivePolicy:
         self.refresh_every = refresh_every
         self.plain = False  # the last decision verifies nothing
         self.plain_run = 0  # steps since the drafter last drafted
+        self.tree_run = 0  # decisions since the last one that verified nothing
         # Mean calibrated value of a request's k-th node over recent trees.
         self.rank_values = torch.zeros(budget, dtype=torch.float64, device=self.device)
         self._rank_values_host: list[float] | None = None
@@ -357,19 +399,27 @@ class AdaptivePolicy:
         values = self.calibration.value(logq) * valid
         probe = self.plain and self.plain_run >= self.probe_every
         self.plain_run = 0
-        tree_s = self.cost.tree_steps(num_reqs, num_reqs * width, values.device)
-        min_nodes = num_reqs * min(width, 4) if probe else 0
-        budgets, nodes, rate = choose_budgets(values, tree_s, self.cost.plain_step(num_reqs),
-                                              min_nodes=min_nodes)
         mean = values.cummin(dim=1).values.mean(0)
         self.rank_values[:width].mul_(0.9).add_(0.1 * mean)
         self._rank_values_host = None
         self._seen_trees = True
+        plain_s = self.cost.plain_step(num_reqs)
+        if (not self.plain and self.tree_run >= self.probe_every and not self.cost.pinned
+                and self.cost.verify.confidence(num_reqs) < 1.0):
+            # Trees every step: a plain step now and then measures what one
+            # costs at this batch size (nothing else would).
+            zeros = torch.zeros(num_reqs, dtype=torch.long, device=values.device)
+            rate = torch.tensor(num_reqs / plain_s, dtype=torch.float64, device=values.device)
+            return Decision(zeros, zeros.sum(), rate, True)
+        tree_s = self.cost.tree_steps(num_reqs, num_reqs * width, values.device)
+        min_nodes = num_reqs * min(width, 4) if probe else 0
+        budgets, nodes, rate = choose_budgets(values, tree_s, plain_s, min_nodes=min_nodes)
         return Decision(budgets, nodes, rate, probe)
 
     def decided(self, total_nodes: int) -> None:
         """The host learnt the choice (when the scheduler takes the drafts)."""
         self.plain = total_nodes == 0
+        self.tree_run = 0 if self.plain else self.tree_run + 1
 
     # -- 3. what did it cost?
     def observe(self, num_reqs: int, num_tokens: int, step_s: float, draft_s: float) -> None:

@@ -189,7 +189,10 @@ class DDTreeRunnerMixin:
                 self.ddtree_trees = ProposedTrees(list(self.input_batch.req_ids[:num_reqs]),
                                                   tree)
                 if policy is not None:
-                    self.ddtree_budgets = policy.choose(tree.logq, tree.valid).budgets
+                    # Requests still prefilling get no nodes (their drafts are dropped).
+                    prefilling = self.discard_request_mask.gpu[:num_reqs]
+                    valid = tree.valid & ~prefilling.bool()[:, None]
+                    self.ddtree_budgets = policy.choose(tree.logq, valid).budgets
             elif policy is not None:
                 self.ddtree_budgets = torch.zeros(num_reqs, dtype=torch.long)
             if self.ddtree_step is not None:
@@ -208,11 +211,8 @@ class DDTreeRunnerMixin:
         # The adaptive policy's choice: each request verifies its first
         # budget nodes (a valid tree: flat order puts parents first).
         cut = budgets.tolist()
-        if len(cut) != len(out.draft_token_ids):
-            raise DDTreeSeamError(f"DDTree: {len(cut)} budgets for "
-                                  f"{len(out.draft_token_ids)} requests' drafts")
-        for drafts, n in zip(out.draft_token_ids, cut):
-            del drafts[n:]
+        for i, drafts in enumerate(out.draft_token_ids):
+            del drafts[cut[i] if i < len(cut) else 0:]
         total = sum(cut)
         policy = self.ddtree_policy
         policy.decided(total)

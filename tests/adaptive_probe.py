@@ -1,0 +1,62 @@
+"""Setup hooks (``benchmarks.run_llm``) for the adaptive-budget engine tests.
+
+They run in the engine's process before the engine starts, so the job must
+set ``VLLM_ENABLE_V1_MULTIPROCESSING=0``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+ENV_LOG = "DDTREE_TEST_TREE_LOG"
+
+
+def record_trees() -> None:
+    """Append every proposed tree to ``$DDTREE_TEST_TREE_LOG`` as one JSON line
+    per request: the root's position, whether the drafter skipped its block on
+    the step before (the policy was in plain mode), and the first nodes'
+    tokens and log q."""
+    from vllm_ddtree import runner as runner_mod
+
+    path = os.environ[ENV_LOG]
+    real = runner_mod.DDTreeRunnerMixin.propose_draft_token_ids
+
+    def recorded(self, scheduler_output, sampled_token_ids, *args, **kwargs):
+        policy = self.ddtree_policy
+        after_plain = bool(policy is not None and policy.plain)
+        drafts = real(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+        trees = self.ddtree_trees
+        if trees is None or self.drafter.skip_block:
+            return drafts
+        sampled = sampled_token_ids.tolist()
+        tree = trees.tree
+        with open(path, "a") as f:
+            for i, rid in enumerate(trees.req_ids):
+                req = self.requests[rid]
+                valid = sum(1 for t in sampled[i] if t != -1)
+                if not valid:
+                    continue
+                root = len(req.prompt_token_ids) + len(req.output_token_ids) + valid - 1
+                f.write(json.dumps({
+                    "prompt": req.prompt_token_ids[:16], "root": root,
+                    "after_plain": after_plain, "tokens": tree.tokens[i, :4].tolist(),
+                    "logq": tree.logq[i, :4].tolist()}) + "\n")
+        return drafts
+
+    runner_mod.DDTreeRunnerMixin.propose_draft_token_ids = recorded
+
+
+def record_trees_without_context() -> None:
+    """:func:`record_trees`, with plain steps that skip the drafter's context
+    K/V as well (a broken plain mode: later trees miss that context)."""
+    import torch
+
+    from vllm_ddtree.proposer import DDTreeProposer
+
+    def no_context(self, depth, *args, **kwargs):
+        cad = kwargs["common_attn_metadata"]
+        return torch.zeros(cad.batch_size(), self.ddtree.budget, dtype=torch.long)
+
+    DDTreeProposer._store_context = no_context
+    record_trees()

@@ -1,0 +1,151 @@
+"""The adaptive tree budget through the engine (CPU, fp32, tiny pair).
+
+* Greedy output is token-identical to plain decoding with the adaptive
+  policy on: with its own profiled cost model, and with pinned cost models
+  (``VLLM_DDTREE_COST_MODEL``) that force the two regimes it must handle:
+  per-request budgets that differ inside one step, and plain steps (the
+  drafter's block skipped) with periodic probes.
+* Plain steps keep the drafter in sync: a tree drafted after plain steps is
+  the tree an always-drafting engine proposes at the same position (and a
+  plain mode that drops the drafter's context K/V fails that check).
+* The budget metrics agree with vLLM's own spec-decode counters.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.adaptive_probe import ENV_LOG
+from tests.conftest import run_job
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = "humaneval:16"
+SAMPLING = {"temperature": 0.0, "max_tokens": 96, "ignore_eos": True}
+BUDGET = 16
+# ms: A + B * tokens, plus D with the drafter.
+COST_MIXED = "10,0.05,1"  # cheap tokens: budgets differ by the drafter's confidence
+COST_PLAIN = "1,1,5"  # trees never pay: plain steps, a probe every 32 steps
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_pair, tmp_path_factory):
+    return run_job({"model": tiny_pair[0], "prompts": PROMPTS, "sampling": SAMPLING},
+                   tmp_path_factory.mktemp("plain"))
+
+
+def _ddtree(tiny_pair, tmp_path, adaptive=True, env=None, **job):
+    target, drafter = tiny_pair
+    spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": BUDGET}
+    if not adaptive:
+        spec["ddtree_adaptive"] = False
+    return run_job(dict({"model": target, "prompts": PROMPTS, "sampling": SAMPLING,
+                         "speculative_config": spec, "env": env or {}}, **job), tmp_path)
+
+
+def _assert_identical(res, plain, what):
+    assert len(res["outputs"]) == len(plain["outputs"])
+    for i, (a, b) in enumerate(zip(res["outputs"], plain["outputs"])):
+        assert a == b, f"prompt {i}: {what} diverges from plain decoding"
+
+
+def _budget_counts(res) -> dict:
+    dd = res["spec"]["ddtree"]
+    assert dd is not None and dd.get("budget_decisions"), "no adaptive-budget metrics"
+    return dd
+
+
+def test_adaptive_profiled_greedy_identical(plain, tiny_pair, tmp_path):
+    res = _ddtree(tiny_pair, tmp_path)
+    _assert_identical(res, plain, "adaptive ddtree (profiled cost)")
+    dd = _budget_counts(res)
+    spec = res["spec"]
+    # Nodes are verified one step after they are chosen; requests that finish
+    # leave their last choice unverified.
+    assert spec["draft_tokens"] <= dd["budget_chosen_nodes"]
+    assert dd["budget_plain_steps"] <= dd["budget_decisions"]
+    if spec["drafts"]:
+        assert dd["num_nodes_verified"] == spec["draft_tokens"]
+        assert dd["num_accepted_tokens"] == spec["accepted"]
+    cal = dd["budget_calibration"]
+    assert len(cal) == 32 and all(0 <= v <= 1 for v in cal.values())
+    values = [cal[k] for k in sorted(cal, key=lambda k: -float(k))]
+    assert values == sorted(values, reverse=True), "calibration not monotone in q"
+    cost = dd["budget_cost_seconds"]
+    assert 0 < cost["plain_step"] <= cost["tree_step"] and cost["draft"] > 0
+
+
+def test_adaptive_mixed_budgets_greedy_identical(plain, tiny_pair, tmp_path):
+    """Per-request budgets differ within a step; every choice is verified as a
+    prefix of its tree and the output stays plain decoding's."""
+    res = _ddtree(tiny_pair, tmp_path, env={"VLLM_DDTREE_COST_MODEL": COST_MIXED})
+    _assert_identical(res, plain, "adaptive ddtree (mixed budgets)")
+    spec, dd = res["spec"], _budget_counts(res)
+    assert spec["drafts"] > 0 and spec["accepted"] > 0
+    per_draft = spec["draft_tokens"] / spec["drafts"]
+    assert 1 < per_draft < BUDGET - 1, f"budgets did not adapt: {per_draft:.1f} nodes per draft"
+    # Steps chose different totals (the histogram spans several buckets).
+    buckets = dd["budget_nodes_per_step"]["buckets"]
+    counts = [buckets[k] for k in sorted(buckets, key=lambda k: float(k))]
+    assert sum(1 for a, b in zip([0] + counts, counts) if b > a) >= 3
+    assert spec["tau"] > 2.0
+
+
+@pytest.fixture(scope="module")
+def always_drafting(tiny_pair, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("always")
+    log = tmp / "trees.jsonl"
+    res = _ddtree(tiny_pair, tmp, adaptive=False, env=dict(IN_PROCESS, **{ENV_LOG: str(log)}),
+                  setup="tests.adaptive_probe:record_trees", prompts="humaneval:2")
+    return res, _trees(log)
+
+
+def _trees(path) -> dict:
+    out = {}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        out[(tuple(rec["prompt"]), rec["root"])] = rec
+    return out
+
+
+def _plain_mode(tiny_pair, tmp_path, hook):
+    log = tmp_path / "trees.jsonl"
+    env = dict(IN_PROCESS, **{ENV_LOG: str(log), "VLLM_DDTREE_COST_MODEL": COST_PLAIN})
+    res = _ddtree(tiny_pair, tmp_path, env=env, setup=f"tests.adaptive_probe:{hook}",
+                  prompts="humaneval:2", sampling=dict(SAMPLING, max_tokens=128))
+    return res, _trees(log)
+
+
+def _compare_after_plain(trees, reference):
+    """(matching, total) trees drafted after plain steps, against the
+    always-drafting engine's tree at the same root position."""
+    after = [(k, t) for k, t in trees.items() if t["after_plain"] and k in reference]
+    same = 0
+    for key, t in after:
+        ref = reference[key]
+        close = max(abs(a - b) for a, b in zip(t["logq"], ref["logq"])) < 1e-3
+        same += close and t["tokens"] == ref["tokens"]
+    return same, len(after)
+
+
+def test_plain_steps_keep_the_drafter_in_sync(always_drafting, tiny_pair, tmp_path):
+    ref_res, reference = always_drafting
+    res, trees = _plain_mode(tiny_pair, tmp_path, "record_trees")
+    assert res["outputs"] == ref_res["outputs"], "plain mode changed the greedy output"
+    dd = _budget_counts(res)
+    assert dd["budget_plain_steps"] > 0.8 * dd["budget_decisions"], "trees were chosen"
+    assert res["spec"]["drafts"] > 0, "no probe verified a tree"
+    same, total = _compare_after_plain(trees, reference)
+    assert total >= 4, f"only {total} trees drafted after plain steps"
+    assert same == total, f"{total - same} of {total} trees after plain steps differ"
+
+
+def test_missing_context_after_plain_steps_is_detected(always_drafting, tiny_pair, tmp_path):
+    _, reference = always_drafting
+    res, trees = _plain_mode(tiny_pair, tmp_path, "record_trees_without_context")
+    same, total = _compare_after_plain(trees, reference)
+    assert total >= 4
+    assert same < total / 2, "the sync check cannot see a drafter without context"

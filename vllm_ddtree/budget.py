@@ -3,12 +3,13 @@
 Pure torch and Python (no vLLM import). The runner owns one
 :class:`AdaptivePolicy`; per step it asks three questions:
 
-1. *Draft at all?* (:meth:`AdaptivePolicy.should_draft`). While the policy
-   is in plain mode (the last decision verified nothing), the drafter's block
-   forward is skipped; only the drafter's context K/V is stored, so that a
-   later drafting step sees the whole context. The policy drafts again when
-   its prediction from recent trees says trees would pay at the current batch
-   size, and every ``probe_every`` plain steps in any case.
+1. *Draft at all?* (:meth:`AdaptivePolicy.should_draft`). The policy is in
+   tree mode or in plain mode. In plain mode the drafter's block forward is
+   skipped; only the drafter's context K/V is stored, so that a later
+   drafting step sees the whole context. The mode follows a prediction from
+   recent trees: do tree steps (drafter included) beat plain steps at the
+   current batch size? Plain mode drafts every ``probe_every`` steps in any
+   case (a probe, which verifies a few nodes per request).
 2. *How many nodes, for whom?* (:meth:`AdaptivePolicy.choose`). Given the
    fresh trees, every node gets a value: its calibrated acceptance
    probability. Because a node's prefix probability never exceeds its
@@ -16,8 +17,7 @@ Pure torch and Python (no vLLM import). The runner owns one
    in flat order are its ``n`` most valuable nodes, and the global top ``N``
    over the batch is a set of per-request trees. :func:`choose_budgets` picks
    the ``N`` (0 allowed) that maximises expected committed tokens per second,
-   ``(R + sum of the chosen values) / cost(R + N)``, and compares it with a
-   plain step's ``R / cost_plain(R)``.
+   ``(R + sum of the chosen values) / cost(R + N)``, the drafter included.
 3. *What did it cost, and what was accepted?* (:meth:`AdaptivePolicy.observe`,
    :meth:`Calibration.observe`). Measured step times refine the cost model;
    the walk's outcome per node refines the calibration. While trees are
@@ -220,14 +220,15 @@ def parse_pinned_cost(text: str, max_tokens: int, max_reqs: int) -> CostModel:
 
 
 # ---------------------------------------------------------------- the choice
-def choose_budgets(values: Tensor, tree_step_s: Tensor, plain_step_s: float,
+def choose_budgets(values: Tensor, tree_step_s: Tensor, plain_step_s: float | None,
                    min_nodes: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """The batch-optimal number of nodes per request.
 
     ``values``: ``[R, B]`` each node's value (expected accepted tokens), per
     request in flat order (made non-increasing along the row here; 0 for
     nodes that do not exist). ``tree_step_s``: ``[R*B + 1]`` a tree step's
-    cost with ``N = 0..R*B`` nodes. ``plain_step_s``: a plain step's cost.
+    cost with ``N = 0..R*B`` nodes. ``plain_step_s``: a plain step's cost, or
+    None when the choice is among tree steps only (the drafter runs anyway).
     ``min_nodes``: verify at least this many nodes even if a plain step would
     pay more (exploration).
 
@@ -245,9 +246,13 @@ def choose_budgets(values: Tensor, tree_step_s: Tensor, plain_step_s: float,
         rate = rate.masked_fill(torch.arange(rate.shape[0], device=rate.device)
                                 < min(min_nodes, rate.shape[0] - 1), -1.0)
     best = rate.argmax()  # the first (smallest N) of equal rates
-    plain_rate = torch.tensor(num_reqs / plain_step_s, dtype=torch.float64,
-                              device=values.device)
-    take = (rate[best] > plain_rate) | (min_nodes > 0)
+    if plain_step_s is None:
+        plain_rate = rate[0]
+        take = torch.ones((), dtype=torch.bool, device=values.device)
+    else:
+        plain_rate = torch.tensor(num_reqs / plain_step_s, dtype=torch.float64,
+                                  device=values.device)
+        take = (rate[best] > plain_rate) | (min_nodes > 0)
     nodes = torch.where(take, best, torch.zeros_like(best))
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.shape[0], device=order.device)
@@ -343,17 +348,27 @@ class Decision:
 
 
 class AdaptivePolicy:
-    """Per-step tree budgets for a batch (see the module docstring)."""
+    """Per-step tree budgets for a batch (see the module docstring).
+
+    Two levels. The *mode* (:meth:`should_draft`, once per step before the
+    drafter runs): tree mode drafts every step; plain mode skips the drafter's
+    block. It compares the predicted tokens/s of tree steps (recent trees'
+    mean calibrated value per flat rank, at the current batch size) with a
+    plain step's, with a small hysteresis. In tree mode, :meth:`choose` then
+    picks the best ``N`` for the fresh trees, 0 included, at the tree-mode cost
+    (the drafter runs in either case).
+    """
 
     def __init__(self, budget: int, cost: CostModel, device, probe_every: int = 32,
-                 refresh_every: int = 8):
+                 refresh_every: int = 8, hysteresis: float = 0.03):
         self.budget = budget
         self.cost = cost
         self.device = torch.device(device)
         self.calibration = Calibration(device)
         self.probe_every = probe_every
         self.refresh_every = refresh_every
-        self.plain = False  # the last decision verifies nothing
+        self.hysteresis = hysteresis
+        self.plain = False  # plain mode: the drafter's block is skipped
         self.plain_run = 0  # steps since the drafter last drafted
         self.tree_run = 0  # decisions since the last one that verified nothing
         # Mean calibrated value of a request's k-th node over recent trees.
@@ -361,20 +376,29 @@ class AdaptivePolicy:
         self._rank_values_host: list[float] | None = None
         self._seen_trees = False
         self._steps = 0
+        self._prediction: tuple[int, int, float, float] | None = None  # (reqs, step, tree, plain)
 
     # -- 1. draft at all?
     def should_draft(self, num_reqs: int) -> bool:
-        if not self.plain:
-            return True
-        if self.plain_run >= self.probe_every:
-            return True
-        return self.predicted_tree_rate(num_reqs) > num_reqs / self.cost.plain_step(num_reqs)
-
-    def predicted_tree_rate(self, num_reqs: int) -> float:
-        """Best tokens/s of a tree step for ``num_reqs`` requests whose trees
-        look like the recent ones (same nodes for each request)."""
+        """The mode for this step; True: run the drafter's block."""
         if not self._seen_trees:
-            return 0.0
+            return True
+        if self.plain and self.plain_run >= self.probe_every:
+            return True  # a probe: fresh trees for the prediction and the calibration
+        tree, plain = self.predicted_rates(num_reqs)
+        if self.plain:
+            self.plain = not tree > plain * (1 + self.hysteresis)
+        else:
+            self.plain = tree < plain * (1 - self.hysteresis)
+        return not self.plain
+
+    def predicted_rates(self, num_reqs: int) -> tuple[float, float]:
+        """(tree mode, plain mode) tokens/s for ``num_reqs`` requests whose trees
+        look like the recent ones; recomputed every few steps or when the batch
+        size changes."""
+        cached = self._prediction
+        if cached is not None and cached[0] == num_reqs and self._steps - cached[1] < 4:
+            return cached[2], cached[3]
         if self._rank_values_host is None:
             self._rank_values_host = self.rank_values.tolist()
         best, cum = 0.0, 0.0
@@ -383,11 +407,14 @@ class AdaptivePolicy:
             cum += v
             rate = num_reqs * (1 + cum) / (self.cost.verify(num_reqs * (1 + n)) + draft)
             best = max(best, rate)
-        return best
+        plain = num_reqs / self.cost.plain_step(num_reqs)
+        self._prediction = (num_reqs, self._steps, best, plain)
+        return best, plain
 
     def skipped(self) -> None:
         """The drafter's block was skipped this step."""
         self.plain_run += 1
+        self._steps += 1
 
     # -- 2. how many nodes, for whom?
     def choose(self, logq: Tensor, valid: Tensor) -> Decision:
@@ -397,29 +424,29 @@ class AdaptivePolicy:
         if self._steps % self.refresh_every == 1:
             self.calibration.refresh()
         values = self.calibration.value(logq) * valid
-        probe = self.plain and self.plain_run >= self.probe_every
+        probe = self.plain
         self.plain_run = 0
         mean = values.cummin(dim=1).values.mean(0)
         self.rank_values[:width].mul_(0.9).add_(0.1 * mean)
         self._rank_values_host = None
+        self._prediction = None
         self._seen_trees = True
-        plain_s = self.cost.plain_step(num_reqs)
-        if (not self.plain and self.tree_run >= self.probe_every and not self.cost.pinned
+        if (not probe and self.tree_run >= self.probe_every and not self.cost.pinned
                 and self.cost.verify.confidence(num_reqs) < 1.0):
             # Trees every step: a plain step now and then measures what one
             # costs at this batch size (nothing else would).
             zeros = torch.zeros(num_reqs, dtype=torch.long, device=values.device)
-            rate = torch.tensor(num_reqs / plain_s, dtype=torch.float64, device=values.device)
+            rate = torch.tensor(num_reqs / self.cost.plain_step(num_reqs), dtype=torch.float64,
+                                device=values.device)
             return Decision(zeros, zeros.sum(), rate, True)
         tree_s = self.cost.tree_steps(num_reqs, num_reqs * width, values.device)
         min_nodes = num_reqs * min(width, 4) if probe else 0
-        budgets, nodes, rate = choose_budgets(values, tree_s, plain_s, min_nodes=min_nodes)
+        budgets, nodes, rate = choose_budgets(values, tree_s, None, min_nodes=min_nodes)
         return Decision(budgets, nodes, rate, probe)
 
     def decided(self, total_nodes: int) -> None:
         """The host learnt the choice (when the scheduler takes the drafts)."""
-        self.plain = total_nodes == 0
-        self.tree_run = 0 if self.plain else self.tree_run + 1
+        self.tree_run = 0 if total_nodes == 0 else self.tree_run + 1
 
     # -- 3. what did it cost?
     def observe(self, num_reqs: int, num_tokens: int, step_s: float, draft_s: float) -> None:

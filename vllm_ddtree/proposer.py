@@ -15,11 +15,13 @@ One drafting step, top-down:
    the tree itself waits in :meth:`take_tree` for the runner, which verifies
    it in the next step.
 
-When the runner's adaptive policy has chosen plain decoding
-(:attr:`skip_block` set for one call), :meth:`propose` stores the drafter's
-context K/V for this step's tokens exactly as a drafting step would
-(``set_inputs_first_pass`` and ``precompute_and_store_context_kv``) and skips
-the block forward: a later drafting step then sees the whole context.
+When the runner's adaptive policy has chosen plain decoding, the drafter
+still stores its context K/V for the step's tokens, exactly as a drafting
+step would, and skips the block forward: a later drafting step then sees the
+whole context. After a plain step every scheduled token is context
+(:meth:`store_context`); after a verify step (:attr:`skip_block` set for one
+:meth:`propose`) vLLM's own ``set_inputs_first_pass`` leaves the rejected
+nodes out.
 
 Names: ``budget`` is the tree budget B (vLLM's ``num_speculative_tokens``),
 ``depth`` the number of drafter positions used (at most ``block_size - 1``).
@@ -92,6 +94,15 @@ class DDTreeProposer(DFlashProposer):
         else:
             self._tree = build_tree(logits, budget)
         return self._tree.tokens
+
+    def store_context(self, target_hidden_states: torch.Tensor, positions: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+        """The drafter's context K/V of tokens that are all context (a plain
+        step): their target hidden states (auxiliary layers, concatenated),
+        positions and slots in the drafter's KV-cache group."""
+        self.model.precompute_and_store_context_kv(
+            self.model.combine_hidden_states(target_hidden_states), positions, slot_mapping)
+        self._tree = None
 
     def _store_context(self, depth: int, target_token_ids, target_positions,
                        target_hidden_states, next_token_ids, token_indices_to_sample,

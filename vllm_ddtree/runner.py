@@ -172,7 +172,10 @@ class DDTreeRunnerMixin:
         policy = self.ddtree_policy if self.ddtree is not None else None
         num_reqs = self.input_batch.num_reqs
         drafting = policy is None or policy.should_draft(num_reqs)
-        if not drafting:
+        if not drafting and spec_decode_metadata is None and aux_hidden_states:
+            # A plain step in plain mode: every scheduled token is context.
+            return self._ddtree_plain_step(scheduler_output, aux_hidden_states, num_reqs)
+        if not drafting:  # the step verified drafts: the stock path drops rejected rows
             self.drafter.skip_block = True
             policy.skipped()
         clock = _Stopwatch(self.device) if policy is not None and drafting else None
@@ -201,6 +204,23 @@ class DDTreeRunnerMixin:
                 self.ddtree_step["end"] = time.perf_counter()
             self._ddtree_flush_stats()
         return drafts
+
+    def _ddtree_plain_step(self, scheduler_output, aux_hidden_states, num_reqs):
+        """Plain mode after a plain step: store the drafter's context K/V of
+        the step's tokens (what a drafting step would store first) and
+        schedule no drafts, without the rest of the drafting machinery."""
+        n = scheduler_output.total_num_scheduled_tokens
+        slots = self.input_batch.block_table[self.drafter.kv_cache_gid].slot_mapping.gpu[:n]
+        self.drafter.store_context(torch.cat([h[:n] for h in aux_hidden_states], dim=-1),
+                                   self.positions[:n], slots)
+        self.ddtree_policy.skipped()
+        self.ddtree_round = None
+        self.ddtree_trees = None
+        self.ddtree_budgets = torch.zeros(num_reqs, dtype=torch.long)
+        if self.ddtree_step is not None:
+            self.ddtree_step["end"] = time.perf_counter()
+        self._ddtree_flush_stats()
+        return torch.zeros(num_reqs, self.ddtree.budget, dtype=torch.long, device=self.device)
 
     def take_draft_token_ids(self):
         out = super().take_draft_token_ids()

@@ -154,10 +154,23 @@ def test_metrics_report_speculation(server):
     _complete(server, "class Stack:\n    def __init__(self):\n")
     text = requests.get(f"{server}/metrics", timeout=30).text
     vals = _metric_sums(text, "vllm:spec_decode_num_")
-    assert vals.get("vllm:spec_decode_num_drafts_total", 0) > 0
-    assert vals["vllm:spec_decode_num_draft_tokens_total"] == \
-        BUDGET * vals["vllm:spec_decode_num_drafts_total"]
+    # The server runs the default adaptive budget: every draft verifies 1..B
+    # nodes, as its own metrics say. (The first tree is always verified: the
+    # policy has no prediction before it, and the drafter has already run.)
+    drafts = vals.get("vllm:spec_decode_num_drafts_total", 0)
+    assert drafts > 0
+    assert drafts <= vals["vllm:spec_decode_num_draft_tokens_total"] <= BUDGET * drafts
     assert vals.get("vllm:spec_decode_num_accepted_tokens_total", 0) > 0
+    budget = _metric_sums(text, "vllm:ddtree_budget_")
+    assert budget["vllm:ddtree_budget_decisions_total"] > 0
+    assert budget["vllm:ddtree_budget_chosen_nodes_total"] >= \
+        vals["vllm:spec_decode_num_draft_tokens_total"]
+    assert budget["vllm:ddtree_budget_nodes_per_step_count"] == \
+        budget["vllm:ddtree_budget_decisions_total"]
+    cost = [line for line in text.splitlines()
+            if line.startswith("vllm:ddtree_budget_cost_seconds{")]
+    assert len(cost) == 4 and all(float(line.rsplit(" ", 1)[1]) > 0 for line in cost
+                                  if 'component="per_node"' not in line)
 
 
 def _metric_sums(text: str, prefix: str) -> dict[str, float]:

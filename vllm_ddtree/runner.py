@@ -224,8 +224,9 @@ class DDTreeRunnerMixin:
 
     def take_draft_token_ids(self):
         out = super().take_draft_token_ids()
-        budgets, self.ddtree_budgets = (self.ddtree_budgets, None) if self.ddtree else (None,
-                                                                                         None)
+        if self.ddtree is None:
+            return out
+        budgets, self.ddtree_budgets = self.ddtree_budgets, None
         if out is None or budgets is None:
             return out
         # The adaptive policy's choice: each request verifies its first

@@ -15,7 +15,8 @@ a fresh process (vLLM engines do not release everything when dropped)::
      "env": {extra environment variables},
      "setup": "module:function" called before the engine starts (tests use it,
               with VLLM_ENABLE_V1_MULTIPROCESSING=0, to alter the runner),
-     "followup": {"suffix": "text" | [token ids], "sampling": {...}}  (optional)}
+     "followup": {"suffix": "text" | [token ids], "sampling": {...}}  (optional),
+     "one_at_a_time": true  (optional: then generate each prompt alone as well)}
 
 The result has ``outputs`` (token ids per prompt, a list per completion when
 ``n > 1``), ``seconds`` (generation wall time) and ``spec`` (vLLM's
@@ -118,6 +119,12 @@ def run(job: dict) -> dict:
               "spec": spec_metrics(llm), "preemptions": counter(llm, "num_preemptions")}
     if job.get("followup") is not None:
         result["followup"] = run_followup(llm, job["followup"], outs, params)
+    if job.get("one_at_a_time"):
+        # The same engine, each prompt in a batch of its own (after the batched
+        # run, so its spec counters above are the batched run's).
+        result["single_outputs"] = [
+            list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids)
+            for p in prompts]
     return result
 
 

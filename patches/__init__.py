@@ -7,9 +7,9 @@ __all__ = ["Patch", "PatchError", "all_patches"]
 
 def all_patches() -> list[Patch]:
     """The patches the plugin applies, in order."""
-    from vllm_ddtree.patches import (cpu_seed_rewind, model_runner, request_params,
+    from vllm_ddtree.patches import (cpu_seed_rewind, gdn_tree, model_runner, request_params,
                                      spec_config, stat_loggers)
 
     return [spec_config.PATCH, request_params.PATCH,
             model_runner.CPU_RUNNER, model_runner.CUDA_RUNNER, stat_loggers.PATCH,
-            cpu_seed_rewind.SNAPSHOT, cpu_seed_rewind.REWIND]
+            cpu_seed_rewind.SNAPSHOT, cpu_seed_rewind.REWIND, gdn_tree.PATCH]

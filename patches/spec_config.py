@@ -13,7 +13,9 @@ before vLLM builds the attention, scheduler and parallel configs:
 
 * targets and engine settings DDTree cannot serve correctly are refused here,
   with an error that names the setting and the alternative
-  (:func:`check_engine_args`);
+  (:func:`check_engine_args`); hybrid Gated DeltaNet targets get prefix
+  caching off and a check that one request's states fit the cache
+  (:func:`check_hybrid_target`);
 * on CUDA the target's attention backend becomes ``DDTREE``
   (:func:`select_target_backend`); the drafter keeps a backend vLLM selects
   for DFlash's non-causal block, because vLLM builds the drafter's config
@@ -26,6 +28,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from vllm.logger import init_logger
+
 from vllm_ddtree.config import (
     METHOD,
     DDTreeConfig,
@@ -35,6 +39,8 @@ from vllm_ddtree.config import (
 )
 from vllm_ddtree.attention import CUDA_BACKEND_NAME
 from vllm_ddtree.patches.base import Patch
+
+logger = init_logger("vllm.ddtree")
 from vllm_ddtree.stats import new_stats_dir
 
 
@@ -55,8 +61,80 @@ def _refuse(setting: str, reason: str, fix: str) -> DDTreeConfigError:
     return DDTreeConfigError(f"{setting}: {reason}. {fix}")
 
 
-def check_engine_args(args: Any, model_config: Any, parallel_config: Any) -> None:
+# Targets whose non-attention layers are vLLM's Qwen Gated DeltaNet layers
+# (QwenGatedDeltaNetAttention), which DDTree verifies per tree node.
+GDN_ARCHITECTURES = frozenset({
+    "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
+    "Qwen3NextForCausalLM",
+})
+
+
+def gdn_state_bytes(text_config: Any, budget: int, conv_bytes: int, ssm_bytes: int) -> int:
+    """One request's Gated DeltaNet state at tree budget ``budget``: vLLM
+    reserves ``1 + budget`` state blocks per GDN layer, each with a conv
+    buffer of ``W - 1 + budget`` columns and one recurrent state."""
+    from vllm_ddtree.gdn import state_bytes_per_request
+
+    t = text_config
+    layers = sum(1 for kind in t.layer_types if kind == "linear_attention")
+    nk, nv = t.linear_num_key_heads, t.linear_num_value_heads
+    dk, dv = t.linear_key_head_dim, t.linear_value_head_dim
+    return state_bytes_per_request(layers, 2 * nk * dk + nv * dv, t.linear_conv_kernel_dim,
+                                   nv, dk, dv, budget, conv_bytes, ssm_bytes)
+
+
+def _dtype_bytes(setting: str, model_dtype: Any) -> int:
+    import torch
+
+    if setting in (None, "auto"):
+        return torch.empty((), dtype=model_dtype).element_size()
+    return torch.empty((), dtype=getattr(torch, setting)).element_size()
+
+
+def check_hybrid_target(args: Any, model_config: Any, budget: int, is_cpu: bool) -> None:
+    """A hybrid Gated DeltaNet target: what DDTree can serve, and its state cost."""
+    dflash = "Use method 'dflash' (the DFlash chain) for this model."
+    archs = list(model_config.architectures or ())
+    if not archs or not set(archs) <= GDN_ARCHITECTURES:
+        raise _refuse("model", f"the target {archs} has non-attention layers (e.g. Mamba) that "
+                      f"are not Qwen Gated DeltaNet layers, whose state DDTree cannot verify per "
+                      f"tree node", dflash)
+    if not is_cpu:
+        raise _refuse("model", "DDTree serves hybrid Gated DeltaNet targets on vLLM's CPU "
+                      "backend only in this version (the CUDA tree kernels in "
+                      "vllm_ddtree/kernels/gdn_tree.py are not wired into vLLM's GDN layer yet)",
+                      dflash)
+    if args.enable_prefix_caching or args.mamba_cache_mode == "align":
+        flag = ("enable_prefix_caching" if args.enable_prefix_caching else "mamba_cache_mode")
+        raise _refuse(flag, "on hybrid targets prefix caching needs vLLM's 'align' mamba cache "
+                      "mode, whose per-step state copies follow the chain's accepted count, not "
+                      "DDTree's committed column", "Serve with --no-enable-prefix-caching "
+                      f"(and --mamba-cache-mode none). {dflash}")
+    args.enable_prefix_caching = False
+    text = model_config.hf_text_config
+    conv_b = _dtype_bytes(args.mamba_cache_dtype, model_config.dtype)
+    ssm_b = _dtype_bytes(args.mamba_ssm_cache_dtype, model_config.dtype)
+    need = gdn_state_bytes(text, budget, conv_b, ssm_b)
+    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
+    if is_cpu and space.strip().isdigit() and int(space) > 0:
+        have = int(space) * 2**30
+        if need > have:
+            fits = max((b for b in range(1, budget) if gdn_state_bytes(text, b, conv_b, ssm_b)
+                        <= have), default=0)
+            raise _refuse("num_speculative_tokens", f"at tree budget {budget} one request's "
+                          f"Gated DeltaNet states take {need / 2**30:.2f} GiB "
+                          f"({1 + budget} state slots in each GDN layer), more than the "
+                          f"{have / 2**30:.0f} GiB KV cache (VLLM_CPU_KVCACHE_SPACE={space})",
+                          f"Use num_speculative_tokens <= {fits}"
+                          if fits else "Raise VLLM_CPU_KVCACHE_SPACE")
+
+
+def check_engine_args(args: Any, model_config: Any, parallel_config: Any,
+                      budget: int = 0) -> None:
     """Refuse, before any engine process starts, what DDTree would serve wrongly."""
+    from vllm.platforms import current_platform
+
     dflash = "Use method 'dflash' (the DFlash chain) for this setup."
     if parallel_config.pipeline_parallel_size > 1:
         raise _refuse("pipeline_parallel_size",
@@ -74,12 +152,21 @@ def check_engine_args(args: Any, model_config: Any, parallel_config: Any) -> Non
         if getattr(parallel_config, name) > 1:
             raise _refuse(name, "DDTree does not support context parallelism",
                           f"Leave {name} at 1. {dflash}")
-    if model_config.uses_mrope:
-        raise _refuse("model", "the target uses M-RoPE (multimodal rotary positions), "
-                      "which DDTree's depth positions do not handle yet", dflash)
-    if model_config.is_hybrid or model_config.is_attention_free:
-        raise _refuse("model", "the target has non-attention (e.g. Gated DeltaNet or Mamba) "
-                      "layers, whose state DDTree cannot verify per tree node yet", dflash)
+    if model_config.is_attention_free:
+        raise _refuse("model", "the target has no attention layers, so no tree can be "
+                      "verified on it", dflash)
+    if model_config.is_hybrid:
+        check_hybrid_target(args, model_config, budget, current_platform.is_cpu())
+    mm = model_config.multimodal_config
+    if mm is not None and not mm.language_model_only:
+        # Tree nodes are text tokens and their M-RoPE rows are p0 + depth, but
+        # DDTree's drafter conditioning and tree walk are only proven on text
+        # requests: serve the model text-only, so that vLLM answers a request
+        # with image or video inputs with its own 400 ("At most 0 ...").
+        mm.language_model_only = True
+        logger.warning("DDTree: %s is served text-only (--language-model-only): requests "
+                       "with image or video inputs are refused. Use method 'dflash' for "
+                       "multimodal requests.", model_config.model)
     text = model_config.hf_text_config
     if model_config.get_sliding_window() is not None or "sliding_attention" in (
             getattr(text, "layer_types", None) or ()):
@@ -138,11 +225,12 @@ def select_target_backend(args: Any, is_cuda: bool) -> None:
         args.attention_backend = AttentionBackendEnum[CUDA_BACKEND_NAME]
 
 
-def _configure_engine(args: Any, model_config: Any, parallel_config: Any) -> None:
+def _configure_engine(args: Any, model_config: Any, parallel_config: Any,
+                      budget: int) -> None:
     """Engine-wide settings that DDTree needs (documented in docs/design.md)."""
     from vllm.platforms import current_platform
 
-    check_engine_args(args, model_config, parallel_config)
+    check_engine_args(args, model_config, parallel_config, budget)
     select_target_backend(args, current_platform.is_cuda())
     args.async_scheduling = False
     # The tree seams live in the V1 model runner (vLLM picks V2 on CUDA by default).
@@ -157,7 +245,7 @@ def _build(original):
         cfg, vllm_dict = DDTreeConfig.from_speculative_dict(user)
         # Check the drafter before vLLM does, so a wrong model gets our message.
         runtime = resolve(cfg, read_drafter_config(vllm_dict["model"], vllm_dict.get("revision")))
-        _configure_engine(self, target_model_config, target_parallel_config)
+        _configure_engine(self, target_model_config, target_parallel_config, runtime.budget)
         self.speculative_config = vllm_dict
         spec = original(self, target_model_config, target_parallel_config)
         # Post-construction attributes are not validated by pydantic and survive

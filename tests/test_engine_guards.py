@@ -110,7 +110,6 @@ def test_refused_engine_settings(tiny_pair, kw, field):
 
 
 @pytest.mark.parametrize("changes,what", [
-    ({"rope_scaling": {"rope_type": "default", "mrope_section": [4, 6, 6]}}, "M-RoPE"),
     ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0,
       "layer_types": ["sliding_attention"] * 4}, "sliding-window"),
 ])
@@ -118,6 +117,54 @@ def test_refused_targets(tiny_pair, tmp_path, changes, what):
     target, drafter = tiny_pair
     with pytest.raises(DDTreeConfigError, match=rf"^model:.*{what}.*dflash"):
         _args(_variant(tmp_path, target, **changes), drafter).create_engine_config()
+
+
+def _hybrid_model_config(archs=("Qwen3_5ForCausalLM",), **text):
+    import torch
+
+    base = dict(layer_types=["linear_attention"] * 3 + ["full_attention"],
+                linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=128,
+                linear_value_head_dim=128, linear_conv_kernel_dim=4)
+    return SimpleNamespace(architectures=list(archs), dtype=torch.bfloat16,
+                           hf_text_config=SimpleNamespace(**dict(base, **text)))
+
+
+def _hybrid_args(**kw):
+    return SimpleNamespace(**dict(dict(enable_prefix_caching=None, mamba_cache_mode="none",
+                                       mamba_cache_dtype="auto",
+                                       mamba_ssm_cache_dtype="auto"), **kw))
+
+
+def test_hybrid_target_checks(monkeypatch):
+    from vllm_ddtree.patches.spec_config import check_hybrid_target, gdn_state_bytes
+
+    # a GDN hybrid passes, and prefix caching is turned off for it
+    args = _hybrid_args()
+    check_hybrid_target(args, _hybrid_model_config(), 16, is_cpu=True)
+    assert args.enable_prefix_caching is False
+    with pytest.raises(DDTreeConfigError, match=r"^enable_prefix_caching:.*align.*"
+                                                r"--no-enable-prefix-caching"):
+        check_hybrid_target(_hybrid_args(enable_prefix_caching=True), _hybrid_model_config(),
+                            16, is_cpu=True)
+    with pytest.raises(DDTreeConfigError, match=r"^mamba_cache_mode:"):
+        check_hybrid_target(_hybrid_args(mamba_cache_mode="align"), _hybrid_model_config(),
+                            16, is_cpu=True)
+    with pytest.raises(DDTreeConfigError, match=r"^model:.*not Qwen Gated DeltaNet.*dflash"):
+        check_hybrid_target(_hybrid_args(), _hybrid_model_config(("FalconH1ForCausalLM",)),
+                            16, is_cpu=True)
+    with pytest.raises(DDTreeConfigError, match=r"^model:.*CPU backend only.*dflash"):
+        check_hybrid_target(_hybrid_args(), _hybrid_model_config(), 16, is_cpu=False)
+    # Qwen3.6-27B's GDN shape: 48 layers, 16 K / 48 V heads of 128, conv 4; fp32 SSM.
+    big = _hybrid_model_config(layer_types=["linear_attention"] * 48, linear_num_key_heads=16,
+                               linear_num_value_heads=48)
+    per_b = {b: gdn_state_bytes(big.hf_text_config, b, 2, 4) for b in (15, 64)}
+    assert per_b[15] == 48 * 16 * ((2 * 16 * 128 + 48 * 128) * 18 * 2 + 48 * 128 * 128 * 4)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
+    with pytest.raises(DDTreeConfigError, match=r"^num_speculative_tokens: at tree budget 64 "
+                                                r"one request's Gated DeltaNet states take "
+                                                r"13\.13 GiB.*<= 42\b"):
+        check_hybrid_target(_hybrid_args(mamba_ssm_cache_dtype="float32"), big, 64,
+                            is_cpu=True)
 
 
 def test_more_than_one_target_kv_group_is_refused():

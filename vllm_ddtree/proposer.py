@@ -62,8 +62,14 @@ class DDTreeProposer(DFlashProposer):
     def load_model(self, target_model) -> None:
         # Called right after the target is loaded: the attention layers that
         # exist now are the target's, those added by super() the drafter's.
+        # A hybrid target's Gated DeltaNet (mamba) layers are verified by
+        # vllm_ddtree/gdn.py, not by the tree attention backend.
+        from vllm.model_executor.layers.mamba.abstract import MambaBase
+
         self.target_attn_layers = frozenset(
-            get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase))
+            name for name, layer in get_layers_from_vllm_config(
+                self.vllm_config, AttentionLayerBase).items()
+            if not isinstance(layer, MambaBase))
         super().load_model(target_model)
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):

@@ -11,11 +11,15 @@ vLLM hook                      DDTree
 ``load_model``                 start-up guard: every target attention layer
                                is tree-capable
 ``initialize_kv_cache``        start-up guard: one KV-cache group for the
-                               target
-``_prepare_inputs``            ``TreeRound.plan``
+                               target's attention layers; GDN state memory
+``_prepare_inputs``            ``TreeRound.plan`` (+ M-RoPE rows, GDN parents)
 ``_build_attention_metadata``  ``TreeRound.attach``
-``_model_forward``             ``TreeRound.capturing`` (first-step guard)
+``_model_forward``             ``TreeRound.capturing`` (first-step guard);
+                               GDN layers verify trees (``gdn.tree_step``)
 ``_sample``                    ``TreeRound.verify`` + ``TreeRound.compact``
+                               + the GDN commit
+``_update_states_after_model_  every GDN request resumes from state column 0
+execute``                      (where the commit put it)
 ``propose_draft_token_ids``    ``TreeRound.condition``, then the drafter's
                                new trees are kept for the next step; the
                                adaptive policy chooses their budgets (or
@@ -35,6 +39,7 @@ import os
 import time
 
 import torch
+import torch.nn.functional as F
 from vllm.config import get_layers_from_vllm_config
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
@@ -45,6 +50,7 @@ from vllm_ddtree.attention import TreeAttentionImplMixin
 from vllm_ddtree.budget import (AdaptivePolicy, CostModel, PiecewiseLinear, ladder,
                                 parse_pinned_cost)
 from vllm_ddtree.config import ddtree_runtime
+from vllm_ddtree.gdn import GDNTreeStep, tree_step
 from vllm_ddtree.proposer import DDTreeProposer
 from vllm_ddtree.round import DDTreeSeamError, ProposedTrees, TreeRound
 from vllm_ddtree.stats import CounterWriter, stats_file
@@ -64,9 +70,6 @@ class DDTreeRunnerMixin:
         self.ddtree = ddtree_runtime(vllm_config)
         if self.ddtree is None:
             return
-        if self.uses_mrope:
-            raise DDTreeSeamError(
-                "DDTree does not support M-RoPE target models yet; use method 'dflash'.")
         # Replace the stock DFlash proposer with the tree proposer.
         self.drafter = DDTreeProposer(vllm_config, self.device, self)
         self.ddtree_round: TreeRound | None = None
@@ -84,6 +87,12 @@ class DDTreeRunnerMixin:
         self.ddtree_budgets: torch.Tensor | None = None  # [R] of the last drafts
         self.ddtree_step: dict | None = None  # the step being timed
         self.ddtree_gap_s = 0.0  # engine time between two runner steps (EWMA)
+        # Hybrid targets: the target's Gated DeltaNet layers and this step's
+        # tree bookkeeping for them (vllm_ddtree/gdn.py).
+        self.ddtree_gdn_layers: frozenset[str] = frozenset()
+        self.ddtree_gdn_step: GDNTreeStep | None = None
+        # M-RoPE targets: the depth-position shift applied to every M-RoPE row.
+        self.ddtree_mrope_delta: torch.Tensor | None = None
         logger.info("DDTree: tree budget %d%s, drafter depth %d (block size %d)",
                     self.ddtree.budget, " (adaptive: at most)" if self.ddtree.adaptive
                     else " (fixed)", self.ddtree.depth, self.ddtree.block_size)
@@ -93,12 +102,16 @@ class DDTreeRunnerMixin:
         super().load_model(*args, **kwargs)
         if self.ddtree is not None:
             check_tree_capable_layers(self.vllm_config, self.drafter.target_attn_layers)
+            self.ddtree_gdn_layers = check_tree_capable_gdn_layers(self.vllm_config)
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
         if self.ddtree is not None:
             self.ddtree_kv_group = target_kv_cache_group(
                 kv_cache_config, self.drafter.target_attn_layers)
+            if self.ddtree_gdn_layers:
+                log_gdn_state_memory(kv_cache_config, self.ddtree_gdn_layers,
+                                     self.ddtree.budget)
             if self.device.type == "cpu":  # compiled already; no graphs to capture
                 self._ddtree_start_policy()
 
@@ -130,6 +143,21 @@ class DDTreeRunnerMixin:
             query_start=self.query_start_loc.gpu[:num_reqs],
             with_expected=self.ddtree_stats is not None,
             with_logq=self.ddtree_policy is not None, check_drafts=self.ddtree_debug)
+        rnd = self.ddtree_round
+        if rnd is not None and self.ddtree_gdn_layers:
+            # Each token row's parent within its request (-1: the root), for
+            # the GDN layers' tree recurrence; drafts that are not a tree of
+            # ours are chains.
+            parents = F.pad(rnd.parents, (1, 0), value=-1)
+            node = self.query_pos.gpu[:total].long().clamp(max=self.ddtree.budget)
+            self.ddtree_gdn_step = GDNTreeStep(
+                parents[self.req_indices.gpu[:total].long(), node])
+        if rnd is not None and rnd.any_tree and self.uses_mrope:
+            # Text tokens carry the same position in every M-RoPE row, and a
+            # tree node's position is p0 + depth in each of them.
+            delta = self.positions[:total] - rnd.seq_positions
+            self.mrope_positions.gpu[:, :total] += delta
+            self.ddtree_mrope_delta = delta
         return out
 
     def _build_attention_metadata(self, *args, **kwargs):
@@ -142,8 +170,19 @@ class DDTreeRunnerMixin:
         rnd = self.ddtree_round if self.ddtree is not None else None
         if rnd is None:
             return super()._model_forward(*args, **kwargs)
-        with rnd.capturing(self.drafter.target_attn_layers):
-            return super()._model_forward(*args, **kwargs)
+        step = self.ddtree_gdn_step
+        with rnd.capturing(self.drafter.target_attn_layers), tree_step(step):
+            out = super()._model_forward(*args, **kwargs)
+        if step is not None:
+            missing = sorted(self.ddtree_gdn_layers - step.layers.keys())
+            if missing:
+                raise DDTreeSeamError(
+                    f"DDTree: Gated DeltaNet layers did not run the tree path in a tree "
+                    f"verification step ({', '.join(missing[:4])}"
+                    f"{f' and {len(missing) - 4} more' if len(missing) > 4 else ''}); their "
+                    f"states would follow a chain instead of each node's parent. Use method "
+                    f"'dflash' for this model.")
+        return out
 
     def _sample(self, logits, spec_decode_metadata):
         rnd = self.ddtree_round if self.ddtree is not None else None
@@ -153,6 +192,9 @@ class DDTreeRunnerMixin:
         tokens = rnd.verify(logits, md.draft_token_ids, md.num_draft_tokens,
                                self.input_batch.sampling_metadata)
         rnd.compact(self.input_batch.block_table[self.ddtree_kv_group].slot_mapping.gpu)
+        step, self.ddtree_gdn_step = self.ddtree_gdn_step, None
+        if step is not None:
+            step.commit(rnd.path, rnd.num_accepted)
         if self.ddtree_policy is not None:
             outcomes = rnd.node_outcomes()
             if outcomes is not None:
@@ -169,6 +211,9 @@ class DDTreeRunnerMixin:
         rnd = self.ddtree_round if self.ddtree is not None else None
         if rnd is not None:
             rnd.condition(aux_hidden_states, self.positions)
+            delta, self.ddtree_mrope_delta = self.ddtree_mrope_delta, None
+            if delta is not None:
+                self.mrope_positions.gpu[:, : delta.shape[0]] -= delta
         policy = self.ddtree_policy if self.ddtree is not None else None
         num_reqs = self.input_batch.num_reqs
         drafting = policy is None or policy.should_draft(num_reqs)
@@ -221,6 +266,18 @@ class DDTreeRunnerMixin:
             self.ddtree_step["end"] = time.perf_counter()
         self._ddtree_flush_stats()
         return torch.zeros(num_reqs, self.ddtree.budget, dtype=torch.long, device=self.device)
+
+    def _update_states_after_model_execute(self, output_token_ids, scheduler_output):
+        if self.ddtree is None or not self.ddtree_gdn_layers:
+            return super()._update_states_after_model_execute(output_token_ids,
+                                                              scheduler_output)
+        # The GDN commit left every request's state in column 0 and its conv
+        # window in the first W - 1 columns: the next step reads them there
+        # (vLLM's offset num_accepted - 1 = 0), speculative or not.
+        num_reqs = output_token_ids.size(0)
+        self.num_accepted_tokens.gpu[:num_reqs] = 1
+        self.input_batch.num_accepted_tokens_cpu_tensor[:num_reqs] = 1
+        self.num_accepted_tokens_event.record()
 
     def take_draft_token_ids(self):
         out = super().take_draft_token_ids()
@@ -410,6 +467,52 @@ def check_tree_capable_layers(vllm_config, target_layers: frozenset[str]) -> Non
     if not layers:
         raise DDTreeSeamError("DDTree found no attention layer in the target model; it needs "
                               "a decoder with attention. Use method 'dflash'.")
+
+
+def check_tree_capable_gdn_layers(vllm_config) -> frozenset[str]:
+    """The target's Gated DeltaNet layers (empty for attention-only targets).
+    Refuse to start unless every non-attention layer is one whose speculative
+    path DDTree replaces, and that replacement is installed."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+        QwenGatedDeltaNetAttention,
+    )
+    from vllm.platforms import current_platform
+
+    from vllm_ddtree.patches import gdn_tree
+
+    layers = get_layers_from_vllm_config(vllm_config, MambaBase)
+    if not layers:
+        return frozenset()
+    other = [f"{name} ({type(layer).__name__})" for name, layer in layers.items()
+             if not isinstance(layer, QwenGatedDeltaNetAttention)]
+    if other:
+        raise DDTreeSeamError(
+            f"DDTree verifies trees on Qwen Gated DeltaNet layers only; this target also has "
+            f"{', '.join(other[:3])}. Use method 'dflash' for this model.")
+    if not current_platform.is_cpu():
+        raise DDTreeSeamError(
+            "DDTree serves hybrid Gated DeltaNet targets on vLLM's CPU backend only in this "
+            "version (the CUDA tree kernels are not wired into vLLM's GDN layer yet). Use "
+            "method 'dflash' for this model on GPUs.")
+    if not gdn_tree.applied():
+        raise DDTreeSeamError(
+            "DDTree's Gated DeltaNet tree path (patch cpu-gdn-tree) is not installed in this "
+            "process, so GDN layers would verify chains. Check that the vllm_ddtree plugin "
+            "loads (VLLM_PLUGINS), or use method 'dflash'.")
+    return frozenset(layers)
+
+
+def log_gdn_state_memory(kv_cache_config, gdn_layers: frozenset[str], budget: int) -> None:
+    """Log what one request's GDN states take at this budget (``1 + budget``
+    state blocks per GDN layer, as vLLM allocates them)."""
+    per_layer = {}
+    for grp in kv_cache_config.kv_cache_groups:
+        for name in gdn_layers.intersection(grp.layer_names):
+            per_layer[name] = grp.kv_cache_spec.page_size_bytes
+    total = sum(per_layer.values()) * (1 + budget)
+    logger.info("DDTree: %d Gated DeltaNet layers x %d state slots (budget %d + 1) take "
+                "%.1f MiB per request", len(per_layer), 1 + budget, budget, total / 2**20)
 
 
 def target_kv_cache_group(kv_cache_config, target_layers: frozenset[str]) -> int:

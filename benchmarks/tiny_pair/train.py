@@ -18,6 +18,13 @@ Stages (each caches its result under --work, so a rerun skips what is done):
 
 Outputs: ``<out>/tiny-qwen3`` (target + tokenizer), ``<out>/tiny-qwen3-dflash``
 (drafter), and ``<out>/training_log.json`` with the loss curves.
+
+``--arch qwen3_5`` trains the hybrid pair instead: a ``Qwen3_5ForCausalLM``
+target (Gated DeltaNet layers ``[linear x3, full]``, GDN head dim 128, partial
+M-RoPE) exported in bf16, because vLLM CPU's GDN kernels take bf16 only, and a
+DFlash drafter for it. Outputs ``<out>/tiny-qwen35``, ``<out>/tiny-qwen35-dflash``
+and ``<out>/training_log_qwen35.json``; its default work folder is
+``runs/tiny_hybrid``.
 All randomness is seeded; results are reproducible on the same interpreter,
 torch version and thread count.
 """
@@ -52,6 +59,59 @@ TARGET = dict(vocab_size=4096, hidden_size=192, intermediate_size=576, num_hidde
               max_position_embeddings=2048, rope_theta=10000.0)
 TARGET_LAYER_IDS = [0, 1, 2]  # strictly below the last layer (see docs/design.md)
 DRAFTER = dict(layers=2, heads=4, kv_heads=2, head_dim=48, inter=576, block_size=16)
+
+# The hybrid pair: the Qwen3.5 / 3.6 text architecture in miniature. GDN with one
+# K head and three V heads (the 16:48 ratio of Qwen3.6-27B) at head dim 128 (vLLM
+# CPU's GDN kernels take 64 or 128), conv kernel 4, then one full-attention layer
+# with partial rotary 0.25 and an interleaved M-RoPE section (8 frequencies).
+HYBRID_TARGET = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+                     linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                     linear_num_key_heads=1, linear_num_value_heads=3,
+                     layer_types=["linear_attention"] * 3 + ["full_attention"],
+                     max_position_embeddings=2048,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                      "partial_rotary_factor": 0.25, "mrope_section": [3, 3, 2],
+                                      "mrope_interleaved": True})
+# The drafter's K/V layout equals the target attention layer's (1 KV head of 64),
+# so vLLM's hybrid KV-cache grouping puts all three attention layers in one group
+# (with 2 KV heads the drafter's layers would be split across groups, which
+# vLLM's DFlash refuses).
+HYBRID_DRAFTER = dict(layers=2, heads=4, kv_heads=1, head_dim=64, inter=768, block_size=16)
+
+
+class Arch:
+    """What differs between the bundled pairs; everything else is shared."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.hybrid = name == "qwen3_5"
+        self.target = HYBRID_TARGET if self.hybrid else TARGET
+        self.drafter = HYBRID_DRAFTER if self.hybrid else DRAFTER
+        self.layer_ids = TARGET_LAYER_IDS
+        self.target_dir = "tiny-qwen35" if self.hybrid else "tiny-qwen3"
+        self.log_name = "training_log_qwen35.json" if self.hybrid else "training_log.json"
+        self.export_dtype = torch.bfloat16 if self.hybrid else torch.float32
+
+    def config(self):
+        common = dict(tie_word_embeddings=False, rms_norm_eps=1e-6, bos_token_id=EOS_ID,
+                      eos_token_id=EOS_ID, pad_token_id=EOS_ID, attention_dropout=0.0,
+                      use_cache=True)
+        if self.hybrid:
+            from transformers import Qwen3_5TextConfig
+            return Qwen3_5TextConfig(**self.target, **common)
+        from transformers import Qwen3Config
+        return Qwen3Config(**self.target, **common)
+
+    def model_cls(self):
+        if self.hybrid:
+            from transformers import Qwen3_5ForCausalLM
+            return Qwen3_5ForCausalLM
+        from transformers import Qwen3ForCausalLM
+        return Qwen3ForCausalLM
+
+
+ARCH = Arch("qwen3")
 
 
 def log(msg: str) -> None:
@@ -141,10 +201,7 @@ def update(module, loss, opt, sched) -> None:
 
 # --------------------------------------------------------------------------- stage 2
 def target_config():
-    from transformers import Qwen3Config
-    return Qwen3Config(**TARGET, tie_word_embeddings=False, rms_norm_eps=1e-6,
-                       bos_token_id=EOS_ID, eos_token_id=EOS_ID, pad_token_id=EOS_ID,
-                       attention_dropout=0.0, use_cache=True)
+    return ARCH.config()
 
 
 def batches(stream: torch.Tensor, seq: int, bsz: int, gen: torch.Generator):
@@ -164,13 +221,13 @@ def eval_loss(model, val: torch.Tensor, seq: int, n: int = 16) -> float:
 
 
 def train_target(tok, work: Path, steps: int, seq: int, bsz: int, lr: float, curves: dict):
-    from transformers import Qwen3ForCausalLM
+    model_cls = ARCH.model_cls()
     tdir = work / "target"
     if (tdir / "config.json").exists():
-        return Qwen3ForCausalLM.from_pretrained(tdir, dtype=torch.float32)
+        return model_cls.from_pretrained(tdir, dtype=torch.float32)
     train, val = streams(tok, work)
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(target_config()).float()
+    model = model_cls(target_config()).float()
     log(f"target: {sum(p.numel() for p in model.parameters())/1e6:.2f}M params, "
         f"{steps} steps x {bsz} x {seq} tokens")
     opt, sched = optimizer(model, lr, steps, weight_decay=0.1)
@@ -271,7 +328,7 @@ def features(model, ids: torch.Tensor) -> torch.Tensor:
     """The target's residual stream after each layer in TARGET_LAYER_IDS (before the
     final norm): what vLLM hands the drafter as auxiliary hidden states."""
     hs = model(input_ids=ids, output_hidden_states=True).hidden_states
-    return torch.cat([hs[i + 1] for i in TARGET_LAYER_IDS], dim=-1)
+    return torch.cat([hs[i + 1] for i in ARCH.layer_ids], dim=-1)
 
 
 def train_drafter(model, seqs, work: Path, steps: int, bsz: int, anchors: int, lr: float,
@@ -279,8 +336,8 @@ def train_drafter(model, seqs, work: Path, steps: int, bsz: int, anchors: int, l
     path = work / "drafter.pt"
     cfg = model.config
     torch.manual_seed(3)
-    drafter = DFlashDrafter(hidden=cfg.hidden_size, num_features=len(TARGET_LAYER_IDS),
-                            rope_theta=cfg.rope_parameters["rope_theta"], **DRAFTER)
+    drafter = DFlashDrafter(hidden=cfg.hidden_size, num_features=len(ARCH.layer_ids),
+                            rope_theta=cfg.rope_parameters["rope_theta"], **ARCH.drafter)
     with torch.no_grad():
         drafter.mask_embedding.copy_(model.model.embed_tokens.weight[MASK_ID])
     if path.exists():
@@ -290,7 +347,7 @@ def train_drafter(model, seqs, work: Path, steps: int, bsz: int, anchors: int, l
     for p in model.parameters():
         p.requires_grad_(False)
     embed, lm_head = model.model.embed_tokens, model.lm_head
-    K = DRAFTER["block_size"] - 1
+    K = ARCH.drafter["block_size"] - 1
     weights = torch.exp(-torch.arange(K, dtype=torch.float32) / decay)
     opt, sched = optimizer(drafter, lr, steps, weight_decay=0.01)
     rng = random.Random(4)
@@ -346,24 +403,24 @@ def train_drafter(model, seqs, work: Path, steps: int, bsz: int, anchors: int, l
 # --------------------------------------------------------------------------- export
 def export(model, tok, drafter: DFlashDrafter, out: Path) -> None:
     from safetensors.torch import save_file
-    tdir, ddir = out / "tiny-qwen3", out / "tiny-qwen3-dflash"
+    tdir, ddir = out / ARCH.target_dir, out / f"{ARCH.target_dir}-dflash"
     tdir.mkdir(parents=True, exist_ok=True)
     ddir.mkdir(parents=True, exist_ok=True)
     model.generation_config.do_sample = False
-    model.save_pretrained(tdir, safe_serialization=True)
+    model.to(ARCH.export_dtype).save_pretrained(tdir, safe_serialization=True)
     tok.save_pretrained(tdir)
     cfg = model.config
     dcfg = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
-        "block_size": DRAFTER["block_size"],
-        "dflash_config": {"mask_token_id": MASK_ID, "target_layer_ids": TARGET_LAYER_IDS},
+        "block_size": ARCH.drafter["block_size"],
+        "dflash_config": {"mask_token_id": MASK_ID, "target_layer_ids": ARCH.layer_ids},
         "hidden_size": cfg.hidden_size,
-        "intermediate_size": DRAFTER["inter"],
-        "num_hidden_layers": DRAFTER["layers"],
-        "num_attention_heads": DRAFTER["heads"],
-        "num_key_value_heads": DRAFTER["kv_heads"],
-        "head_dim": DRAFTER["head_dim"],
+        "intermediate_size": ARCH.drafter["inter"],
+        "num_hidden_layers": ARCH.drafter["layers"],
+        "num_attention_heads": ARCH.drafter["heads"],
+        "num_key_value_heads": ARCH.drafter["kv_heads"],
+        "head_dim": ARCH.drafter["head_dim"],
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
         "rope_theta": cfg.rope_parameters["rope_theta"],
@@ -371,12 +428,13 @@ def export(model, tok, drafter: DFlashDrafter, out: Path) -> None:
         "vocab_size": cfg.vocab_size,
         "num_target_layers": cfg.num_hidden_layers,
         "tie_word_embeddings": False,
-        "torch_dtype": "float32",
+        "torch_dtype": str(ARCH.export_dtype).removeprefix("torch."),
         "bos_token_id": EOS_ID,
         "eos_token_id": EOS_ID,
     }
     (ddir / "config.json").write_text(json.dumps(dcfg, indent=2) + "\n")
-    save_file(drafter.export_state_dict(), str(ddir / "model.safetensors"))
+    save_file({k: v.to(ARCH.export_dtype) for k, v in drafter.export_state_dict().items()},
+              str(ddir / "model.safetensors"))
     torch.save({"mask_token_id": MASK_ID, "embedding": drafter.mask_embedding.detach().clone()},
                ddir / "mask_embedding.pt")
     log(f"exported {tdir} and {ddir}")
@@ -384,8 +442,11 @@ def export(model, tok, drafter: DFlashDrafter, out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", choices=("qwen3", "qwen3_5"), default="qwen3",
+                    help="qwen3: the bundled attention-only pair; qwen3_5: the hybrid GDN pair")
     ap.add_argument("--out", default="models")
-    ap.add_argument("--work", default="runs/tiny_pair")
+    ap.add_argument("--work", default=None, help="cache folder (default runs/tiny_pair, "
+                    "or runs/tiny_hybrid with --arch qwen3_5)")
     ap.add_argument("--stages", default="all", help="comma list of tokenizer,target,distill,drafter,export")
     ap.add_argument("--redo", default="", help="comma list of cached stages to recompute")
     ap.add_argument("--threads", type=int, default=2)
@@ -405,6 +466,10 @@ def main() -> None:
     ap.add_argument("--drafter-decay", type=float, default=5.0,
                     help="per-position loss weight exp(-(k-1)/decay)")
     args = ap.parse_args()
+    global ARCH
+    ARCH = Arch(args.arch)
+    if args.work is None:
+        args.work = "runs/tiny_hybrid" if ARCH.hybrid else "runs/tiny_pair"
     torch.set_num_threads(args.threads)
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
@@ -420,11 +485,11 @@ def main() -> None:
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
-    log_path = out / "training_log.json"
+    log_path = out / ARCH.log_name
     curves = json.loads(log_path.read_text()) if log_path.exists() else {}
     curves["args"] = vars(args)
     t0 = time.time()
-    tok = train_tokenizer(work, TARGET["vocab_size"])
+    tok = train_tokenizer(work, ARCH.target["vocab_size"])
     if stages <= {"tokenizer"}:
         return
     model = train_target(tok, work, args.target_steps, args.target_seq, args.target_batch,

@@ -1,0 +1,235 @@
+"""Tree verification on vLLM CPU's Gated DeltaNet path, against the stock chain.
+
+The stock function is vLLM CPU's own speculative GDN forward
+(``gdn_attention._spec_forward``); ours is ``vllm_ddtree.gdn.cpu_tree_spec_forward``,
+which the ``cpu-gdn-tree`` patch routes DDTree steps to. Both run on the same
+fake layer and caches (bf16 activations, as vLLM CPU's GDN requires; the
+recurrent state in fp32 for the exact checks, bf16 where stated). The stock
+path is pinned to its torch conv (``_is_amx_tile_supported`` -> False), so the
+comparison does not depend on the machine's ISA.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_ddtree.gdn import GDNTreeStep, cpu_tree_spec_forward
+from vllm_ddtree.gdn_tree import build_plan, commit_columns
+
+gdn_attention = pytest.importorskip("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention")
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (  # noqa: E402
+    QwenGatedDeltaNetAttention,
+)
+
+H, HV, K, V, W, S = 1, 3, 128, 128, 4, 8
+DIM = 2 * H * K + HV * V
+STATE_LEN = W - 1 + S
+
+
+@pytest.fixture(autouse=True)
+def _torch_conv(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+
+
+class Layer(SimpleNamespace):
+    rearrange_mixed_qkv = QwenGatedDeltaNetAttention.rearrange_mixed_qkv
+
+
+def make_layer(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    conv = SimpleNamespace(weight=(torch.randn(DIM, 1, W, generator=g) * 0.5).bfloat16(),
+                           bias=(torch.randn(DIM, generator=g) * 0.1).bfloat16())
+    return Layer(prefix="model.layers.0.linear_attn", conv1d=conv, activation="silu",
+                 A_log=(torch.randn(HV, generator=g) * 0.5).bfloat16(),
+                 dt_bias=torch.randn(HV, generator=g).bfloat16(),
+                 key_dim=H * K, value_dim=HV * V, tp_size=1, head_k_dim=K, head_v_dim=V)
+
+
+def make_caches(num_slots, ssm_dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    conv = torch.randn(num_slots, STATE_LEN, DIM, generator=g).bfloat16()  # SD storage
+    ssm = (torch.randn(num_slots, HV, K, V, generator=g) * 0.1).to(ssm_dtype)
+    return conv, ssm
+
+
+def conv_view(conv):
+    return conv.transpose(1, 2)  # [slots, dim, state_len], as vLLM CPU's _conv_buffer_view
+
+
+def metadata(rows, qsl, num_acc):
+    n = len(rows) // (S + 1)
+    return SimpleNamespace(
+        num_spec_decodes=n, num_prefills=0, num_decodes=0, spec_token_indx=None,
+        spec_sequence_masks=None,
+        spec_state_indices_tensor=torch.tensor(rows, dtype=torch.int32).view(n, S + 1),
+        spec_query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        num_accepted_tokens=torch.tensor(num_acc, dtype=torch.int32))
+
+
+def inputs(total, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return ((torch.randn(total, DIM, generator=g)).bfloat16(),
+            torch.randn(total, HV, generator=g).bfloat16(),
+            torch.randn(total, HV, generator=g).bfloat16())
+
+
+def stock(layer, md, x, b, a, conv, ssm):
+    return gdn_attention._spec_forward(layer, md, x, b, a, conv_view(conv), ssm, W, STATE_LEN)
+
+
+def ours(layer, md, x, b, a, conv, ssm, parent):
+    step = GDNTreeStep(torch.tensor(parent))
+    return cpu_tree_spec_forward(step, layer, md, x, b, a, conv_view(conv), ssm, W,
+                                 layer.conv1d.weight.view(DIM, W)), step
+
+
+def random_trees(rng, n, max_q=S + 1):
+    parents, qsl = [], [0]
+    for _ in range(n):
+        q = rng.randint(1, max_q)
+        parents += [-1] + [rng.randrange(j) for j in range(1, q)]
+        qsl.append(qsl[-1] + q)
+    return parents, qsl
+
+
+def path_of(parent, base, j):
+    out = []
+    while j >= 0:
+        out.append(j)
+        j = parent[base + j]
+    return out[::-1]
+
+
+def test_plan_segments_and_waves():
+    # one request: 0 -> 1 -> 2, 0 -> 3 -> 4, 1 -> 5
+    parent = [-1, 0, 1, 0, 3, 1]
+    plan = build_plan(parent, [0, 6], W, S)
+    assert len(plan.waves) == 2
+    w0, w1 = plan.waves
+    assert w0.tokens.tolist() == [0, 1, 2] and w0.from_root.tolist() == [True]
+    assert w1.tokens.tolist() == [3, 4, 5] and w1.cu_seqlens.tolist() == [0, 2, 3]
+    assert w1.cols[0].tolist()[:3] == [3, 4, 0] and w1.cols[1].tolist()[:2] == [5, 1]
+    # node 4's window: prior col 2 (latest prior), root 0, node 3, node 4
+    prior = 1 * (W - 1)
+    assert plan.conv_src[4].tolist() == [2, prior + 0, prior + 3, prior + 4]
+    assert build_plan([-1, 0, 1, 2], [0, 4], W, S).is_chain
+    with pytest.raises(ValueError, match="parents before children"):
+        build_plan([-1, 2, 0], [0, 3], W, S)
+
+
+@pytest.mark.parametrize("ssm_dtype", [torch.float32, torch.bfloat16])
+def test_chain_shaped_tree_equals_stock_chain(ssm_dtype):
+    """Every request a full chain (q = S + 1): outputs, every state column and
+    the whole conv buffer are bit-identical to vLLM's own chain verification."""
+    rng = random.Random(0)
+    n = 3
+    layer = make_layer()
+    rows = list(range(n * (S + 1)))
+    rng.shuffle(rows)
+    qsl = [i * (S + 1) for i in range(n + 1)]
+    num_acc = [rng.randint(1, S + 1) for _ in range(n)]
+    x, b, a = inputs(qsl[-1])
+    parent = [j - 1 for _ in range(n) for j in range(S + 1)]
+    conv1, ssm1 = make_caches(len(rows) + 2, ssm_dtype)
+    conv2, ssm2 = conv1.clone(), ssm1.clone()
+    md = metadata(rows, qsl, num_acc)
+    ref = stock(layer, md, x, b, a, conv1, ssm1)
+    out, _ = ours(layer, md, x, b, a, conv2, ssm2, parent)
+    assert torch.equal(out, ref)
+    assert torch.equal(ssm2, ssm1)
+    assert torch.equal(conv2, conv1)
+
+
+@pytest.mark.parametrize("ssm_dtype", [torch.float32, torch.bfloat16])
+def test_random_trees_equal_stock_chain_along_each_path(ssm_dtype):
+    """Each node's output and stored state equal vLLM's chain run over the
+    node's root-to-node path from the same prior window and state."""
+    rng = random.Random(1)
+    n = 4
+    layer = make_layer(3)
+    parent, qsl = random_trees(rng, n)
+    rows = list(range(n * (S + 1)))
+    rng.shuffle(rows)
+    # DDTree's commit leaves every request at num_accepted = 1 (the stock chain
+    # cannot run a path shorter than num_accepted from other offsets; the
+    # chain-shaped test covers them)
+    num_acc = [1] * n
+    x, b, a = inputs(qsl[-1], seed=4)
+    conv0, ssm0 = make_caches(len(rows) + 1, ssm_dtype, seed=5)
+    conv, ssm = conv0.clone(), ssm0.clone()
+    out, step = ours(layer, metadata(rows, qsl, num_acc), x, b, a, conv, ssm, parent)
+    assert len(step.plan.waves) > 1  # real branching
+    checked = 0
+    for i in range(n):
+        base, q = qsl[i], qsl[i + 1] - qsl[i]
+        row = rows[i * (S + 1):(i + 1) * (S + 1)]
+        for j in range(q):
+            p = path_of(parent, base, j)
+            toks = torch.tensor([base + k for k in p])
+            c, s = conv0.clone(), ssm0.clone()
+            ref = stock(layer, metadata(row, [0, len(p)], [num_acc[i]]), x[toks], b[toks],
+                        a[toks], c, s)
+            assert torch.equal(out[base + j], ref[-1]), (i, j, p)
+            assert torch.equal(ssm[row[j]], s[row[len(p) - 1]]), (i, j, p)
+            checked += 1
+    assert checked == qsl[-1]
+    # the rolling write-back: prior window minus its oldest input, then the inputs
+    for i in range(n):
+        slot, off = rows[i * (S + 1)], num_acc[i] - 1
+        q = qsl[i + 1] - qsl[i]
+        assert torch.equal(conv[slot, : W - 2], conv0[slot, off + 1: off + W - 1])
+        assert torch.equal(conv[slot, W - 2: W - 2 + q], x[qsl[i]: qsl[i + 1]])
+
+
+def test_commit_then_stock_step_equals_fresh_chain():
+    """After the walk's commit, a stock chain step from the committed caches
+    (num_accepted = 1) equals one fresh chain over the accepted path and the
+    step's tokens; without the commit it does not."""
+    rng = random.Random(2)
+    n = 3
+    layer = make_layer(6)
+    # request 0 accepts 0 -> 3 -> 4, a path that leaves the first branch
+    rest, rest_qsl = random_trees(rng, n - 1)
+    parent = [-1, 0, 1, 0, 3] + rest
+    qsl = [0] + [5 + q for q in rest_qsl]
+    rows = list(range(n * (S + 1)))
+    rng.shuffle(rows)
+    x, b, a = inputs(qsl[-1], seed=7)
+    conv0, ssm0 = make_caches(len(rows), torch.float32, seed=8)
+    conv, ssm = conv0.clone(), ssm0.clone()
+    md = metadata(rows, qsl, [1] * n)
+    ours(layer, md, x, b, a, conv, ssm, parent)
+    paths = []
+    for i in range(n):
+        base, q = qsl[i], qsl[i + 1] - qsl[i]
+        paths.append(path_of(parent, base, rng.randrange(q) if i else 4))
+    assert paths[0] == [0, 3, 4]
+    width = 1 + S
+    path_t = torch.tensor([p + [-1] * (width - len(p)) for p in paths])
+    acc = torch.tensor([len(p) - 1 for p in paths])
+    state_col, conv_cols = commit_columns(path_t, acc, W)
+    skipped_conv, skipped_ssm = conv.clone(), ssm.clone()
+    from vllm_ddtree.gdn_tree import commit_layer
+
+    commit_layer(conv_view(conv), ssm, md.spec_state_indices_tensor, state_col, conv_cols)
+    m = 3
+    nx, nb, na = inputs(n * m, seed=9)
+    step_md = metadata(rows, [i * m for i in range(n + 1)], [1] * n)
+    after = stock(layer, step_md, nx, nb, na, conv, ssm)
+    after_skipped = stock(layer, step_md, nx, nb, na, skipped_conv, skipped_ssm)
+    differs = False
+    for i in range(n):
+        row = rows[i * (S + 1):(i + 1) * (S + 1)]
+        toks = [qsl[i] + k for k in paths[i]]
+        fx = torch.cat([x[toks], nx[i * m:(i + 1) * m]])
+        fb = torch.cat([b[toks], nb[i * m:(i + 1) * m]])
+        fa = torch.cat([a[toks], na[i * m:(i + 1) * m]])
+        c, s = conv0.clone(), ssm0.clone()
+        fresh = stock(layer, metadata(row, [0, len(toks) + m], [1]), fx, fb, fa, c, s)
+        assert torch.equal(after[i * m:(i + 1) * m], fresh[-m:]), (i, paths[i])
+        differs |= not torch.equal(after_skipped[i * m:(i + 1) * m], fresh[-m:])
+    assert differs, "skipping the commit should change the next step"

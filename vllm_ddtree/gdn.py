@@ -1,0 +1,158 @@
+"""The vLLM side of tree verification on Gated DeltaNet layers.
+
+The algorithm and its index plan are in ``vllm_ddtree/gdn_tree.py``. Here:
+
+* :class:`GDNTreeStep`, one per verification step of a hybrid target: the
+  local parent of every token row, the plan (built at the first GDN layer and
+  shared by the rest), and what the commit and the first-step guard need;
+* :func:`cpu_tree_spec_forward`, which replaces vLLM CPU's speculative GDN
+  forward (``patches/gdn_tree.py``) while a step is active: the conv windows
+  gathered along each node's path and run through the same ``F.conv1d`` as
+  the stock path, and the recurrence through vLLM's own C++ kernel
+  (``fused_sigmoid_gating_delta_rule_update_spec_cpu``), one call per wave;
+* :func:`state_bytes_per_request`, the memory one request's GDN states take
+  at a given budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from vllm_ddtree.gdn_tree import TreePlan, build_plan, commit_columns, commit_layer
+
+__all__ = ["GDNTreeStep", "active_step", "cpu_tree_spec_forward", "state_bytes_per_request",
+           "tree_step"]
+
+
+class GDNTreeStep:
+    """One verification step's GDN bookkeeping."""
+
+    def __init__(self, parent: Tensor):
+        self.parent = parent  # [num_tokens] local parent of every token row (-1: root)
+        self.plan: TreePlan | None = None
+        self.layers: dict[str, tuple[Any, Any, Tensor]] = {}  # name -> conv, ssm, rows
+        self.spec_rows: Tensor | None = None  # batch row of each spec sequence
+
+    def plan_for(self, md: Any, num_tokens: int, width: int) -> TreePlan:
+        if self.plan is None:
+            n = md.num_spec_decodes
+            if md.num_prefills == 0 and md.num_decodes == 0:
+                parent = self.parent[:num_tokens]
+            else:
+                parent = self.parent.index_select(0, md.spec_token_indx.long())
+            num_spec = md.spec_state_indices_tensor.shape[1] - 1
+            self.plan = build_plan(parent.tolist(), md.spec_query_start_loc[: n + 1].tolist(),
+                                   width, num_spec, device=parent.device)
+            mask = md.spec_sequence_masks
+            self.spec_rows = (torch.arange(n, device=parent.device) if mask is None
+                              else torch.nonzero(mask).squeeze(1)[:n])
+        return self.plan
+
+    def record(self, name: str, conv_state: Tensor, ssm_state: Tensor, rows: Tensor) -> None:
+        self.layers[name] = (conv_state, ssm_state, rows)
+
+    def commit(self, path: Tensor, num_accepted: Tensor) -> None:
+        """After the walk (``path`` ``[R, 1+B]`` and ``num_accepted`` ``[R]``
+        by batch row): each spec sequence's accepted state to column 0 and
+        its accepted conv window to columns ``0 .. W-2``, in every GDN layer."""
+        if self.plan is None or not self.layers:
+            return
+        rows = self.spec_rows
+        state_col, conv_cols = commit_columns(path.index_select(0, rows),
+                                              num_accepted.index_select(0, rows),
+                                              self.plan.width)
+        for conv_state, ssm_state, idx in self.layers.values():
+            commit_layer(conv_state, ssm_state, idx, state_col, conv_cols)
+
+
+_ACTIVE: GDNTreeStep | None = None
+
+
+def active_step() -> GDNTreeStep | None:
+    return _ACTIVE
+
+
+@contextmanager
+def tree_step(step: GDNTreeStep | None) -> Iterator[None]:
+    """GDN layers run the tree path while this is active."""
+    global _ACTIVE
+    _ACTIVE = step
+    try:
+        yield
+    finally:
+        _ACTIVE = None
+
+
+def cpu_tree_spec_forward(step: GDNTreeStep, layer: Any, md: Any, mixed_qkv: Tensor, b: Tensor,
+                          a: Tensor, conv_buf: Tensor, ssm_state: Tensor, width: int,
+                          conv_weight: Tensor) -> Tensor:
+    """The speculative tokens of one GDN layer as trees; same arguments and
+    result as vLLM CPU's ``_spec_forward`` (``conv_buf`` ``[slots, dim,
+    state_len]``, ``ssm_state`` ``[slots, HV, K, V]``), plus the unpacked
+    ``[dim, W]`` conv weight."""
+    import vllm._custom_ops as ops
+
+    n, total = md.num_spec_decodes, mixed_qkv.shape[0]
+    plan = step.plan_for(md, total, width)
+    idx = md.spec_state_indices_tensor[:n]
+    num_acc = md.num_accepted_tokens[:n].long()
+    slots = idx[:, 0].long()
+    step.record(layer.prefix, conv_buf, ssm_state, idx)
+
+    # ---- convolution: each node's window along its own path
+    dim = mixed_qkv.shape[-1]
+    prior_cols = (num_acc - 1)[:, None] + torch.arange(width - 1, device=slots.device)
+    prior = conv_buf[slots[:, None], :, prior_cols]  # [N, W-1, dim]
+    x = mixed_qkv.to(conv_buf.dtype)
+    windows = torch.cat([prior.reshape(-1, dim), x]).index_select(
+        0, plan.conv_src.view(-1)).view(total, width, dim)
+    out = F.conv1d(windows.transpose(1, 2), conv_weight.unsqueeze(1), layer.conv1d.bias,
+                   groups=dim)[..., 0]
+    if layer.activation == "silu":
+        out = F.silu(out)
+    conv_out = out.to(mixed_qkv.dtype)
+    # rolling write-back: prior window minus its oldest input, then x_0 .. x_q-1
+    keep = torch.arange(width - 2, device=slots.device)
+    conv_buf[slots[:, None], :, keep[None, :]] = prior[:, 1:]
+    conv_buf[slots.index_select(0, plan.tok_seq), :, plan.tok_col] = x
+
+    # ---- recurrence: vLLM's chain kernel, one call per wave of segments
+    query, key, value = layer.rearrange_mixed_qkv(conv_out)
+    query, key, value = query.squeeze(0), key.squeeze(0), value.squeeze(0)
+    result = None
+    for wave in plan.waves:
+        rows = idx.index_select(0, wave.seq).gather(1, wave.cols)
+        nacc = torch.where(wave.from_root, num_acc.index_select(0, wave.seq), wave.length + 1)
+        t = wave.tokens
+        pick = (lambda v: v) if t is None else (lambda v: v.index_select(0, t))  # noqa: E731
+        o = ops.fused_sigmoid_gating_delta_rule_update_spec_cpu(
+            A_log=layer.A_log, dt_bias=layer.dt_bias,
+            q=pick(query).contiguous(), k=pick(key).contiguous(), v=pick(value).contiguous(),
+            a=pick(a).contiguous(), b=pick(b).contiguous(),
+            initial_state_source=ssm_state,
+            spec_state_indices=rows.to(torch.int32).contiguous(),
+            num_accepted_tokens=nacc.to(torch.int32).contiguous(),
+            cu_seqlens=wave.cu_seqlens, use_qk_l2norm_in_kernel=True)
+        if t is None:
+            return o
+        if result is None:
+            result = o.new_empty((total, *o.shape[1:]))
+        result.index_copy_(0, t, o)
+    return result
+
+
+def state_bytes_per_request(num_layers: int, conv_dim: int, width: int, heads: int,
+                            head_k: int, head_v: int, budget: int, conv_bytes: int,
+                            ssm_bytes: int) -> int:
+    """Bytes of GDN state one request holds with speculation at ``budget``:
+    ``1 + budget`` state blocks per GDN layer, each with a conv buffer of
+    ``width - 1 + budget`` columns and one recurrent state."""
+    conv = conv_dim * (width - 1 + budget) * conv_bytes
+    ssm = heads * head_k * head_v * ssm_bytes
+    return num_layers * (1 + budget) * (conv + ssm)

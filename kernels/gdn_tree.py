@@ -4,9 +4,9 @@ Parent-aware counterparts of vLLM's speculative-decode GDN kernels
 (``causal_conv1d_update`` with ``num_accepted_tokens`` and
 ``fused_sigmoid_gating_delta_rule_update`` with ``ssm_state_indices``): the
 ``1 + n`` tokens a request verifies form a tree instead of a chain. The exact
-semantics, argument layout, null-slot rule and the post-acceptance
-:func:`commit` are documented in ``gdn_tree_reference`` (the torch oracle);
-both functions here take the same arguments as their references:
+semantics, argument layout and null-slot rule are documented in
+``gdn_tree_reference`` (the torch oracle); both functions here take the same
+arguments as their references:
 
 * :func:`tree_conv_update` -- ``x[T, dim]``, ``conv_state[slots, dim,
   state_len]`` (any strides, e.g. the transposed view of vLLM's
@@ -36,6 +36,12 @@ The launchers do not synchronise or validate (use
 hand). Tokens of a request must fit its buffers: ``q_i <= S + 1`` and
 ``W - 2 + q_i <= state_len``.
 
+The commit after the tree walk is not here: it is
+``vllm_ddtree.gdn_tree.commit_columns`` / ``commit_layer``, device-agnostic
+torch shared by the CPU and CUDA paths, which copies the accepted node's state
+into column 0 and the accepted path's last ``W - 1`` inputs into conv columns
+``[0, W - 1)`` and so leaves every request at ``num_accepted = 1``.
+
 On a machine without a GPU the kernels run in Triton's interpreter, which
 must be enabled with ``TRITON_INTERPRET=1`` before this module is imported
 (``INTERPRETED`` records whether it was).
@@ -47,11 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_ddtree.kernels.gdn_tree_reference import commit
-
 __all__ = [
     "INTERPRETED",
-    "commit",
     "conv_constexprs",
     "recurrent_constexprs",
     "tree_conv_update",

@@ -1,8 +1,8 @@
 """Torch reference for tree-shaped Gated DeltaNet speculative decoding.
 
-This module is the test oracle for the Triton kernels in ``gdn_tree.py`` and
-holds the (pure torch, vectorised) post-acceptance :func:`commit`. It imports
-neither vLLM nor Triton; arithmetic is fp32 (with the conv's roundings below).
+This module is the test oracle for the Triton kernels in ``gdn_tree.py``. It
+imports neither vLLM nor Triton; arithmetic is fp32 (with the conv's roundings
+below).
 Each request holds exactly one tree: token 0 is its only root.
 
 Batch layout
@@ -65,17 +65,16 @@ for a branching tree because branches re-read their parent's column.
 
 Commit
 ------
-After verification a request whose accepted path is ``p[0..a]`` (local
-indices, ``p[0] = 0``, increasing) is committed by copying state column
-``p[a]`` to column ``a`` and moving buffer column ``W - 2 + p[k]`` to
-``W - 2 + k`` for ``k = 1..a`` (all gathered before any is written). vLLM's
-stock chain step with ``num_accepted = a + 1`` then continues exactly as if
-only the accepted path had been verified as a chain.
+Neither this module nor the kernels commit. After the tree walk the engine
+commits with ``vllm_ddtree.gdn_tree.commit_columns`` / ``commit_layer``
+(device-agnostic torch, shared by the CPU and CUDA paths): the accepted
+node's state is copied into column 0 and the last ``W - 1`` inputs along the
+accepted path into conv columns ``[0, W - 1)``, which leaves every request at
+``num_accepted = 1`` for its next step.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import torch
@@ -84,8 +83,6 @@ __all__ = [
     "chain_conv_update_ref",
     "chain_parent",
     "chain_recurrent_update_ref",
-    "commit",
-    "commit_ref",
     "path_of",
     "tree_conv_update_ref",
     "tree_recurrent_update_ref",
@@ -338,91 +335,3 @@ def chain_recurrent_update_ref(q, k, v, a, b, A_log, dt_bias, ssm_state, state_i
     return tree_recurrent_update_ref(q, k, v, a, b, A_log, dt_bias, ssm_state,
                                      state_indices, num_accepted, None, cu_seqlens,
                                      scale, use_qk_l2norm, null_block_id=null_block_id)
-
-
-# --------------------------------------------------------------------------
-# Commit
-# --------------------------------------------------------------------------
-
-
-def commit_ref(
-    conv_state: torch.Tensor | None,
-    ssm_state: torch.Tensor | None,
-    conv_slot: torch.Tensor,
-    state_indices: torch.Tensor,
-    paths: Sequence[Sequence[int]],
-    width: int,
-) -> None:
-    """Commit accepted paths, one request at a time (readable oracle).
-
-    ``paths[i]`` is request ``i``'s accepted path ``[0, p1, .., pa]`` (local
-    indices, increasing). ``conv_state`` is ``[slots, dim, state_len]`` (any
-    strides), ``ssm_state`` ``[slots, ...]``; either may be ``None``.
-    """
-    slots = conv_slot.tolist()
-    rows = state_indices.tolist()
-    for i, path in enumerate(paths):
-        path = list(path)
-        if not path or path[0] != 0 or any(u >= w for u, w in itertools.pairwise(path)):
-            raise ValueError(f"paths[{i}]: expected [0, ...] increasing, got {path}")
-        a = len(path) - 1
-        if ssm_state is not None:
-            ssm_state[rows[i][a]] = ssm_state[rows[i][path[a]]].clone()
-        if conv_state is not None and a > 0:
-            buf = conv_state[slots[i]]
-            src = [width - 2 + p for p in path[1:]]
-            moved = buf[:, src].clone()
-            buf[:, width - 1:width - 1 + a] = moved
-
-
-def commit(
-    conv_state: torch.Tensor | None,
-    ssm_state: torch.Tensor | None,
-    conv_slot: torch.Tensor,
-    state_indices: torch.Tensor,
-    path_src: torch.Tensor,
-    num_accepted: torch.Tensor,
-    width: int,
-) -> None:
-    """Commit accepted paths for the whole batch on the tensors' device, with
-    no host synchronisation and no per-request Python loop.
-
-    ``path_src[N, D]`` (integer) holds request ``i``'s accepted path in
-    ``path_src[i, :num_accepted[i]]`` (local indices, ``path_src[i, 0] = 0``);
-    entries past it, and negative entries, are ignored. Requires
-    ``num_accepted[i] <= D <= S + 1`` (larger values are clamped, not
-    checked). ``num_accepted[i] <= 1`` is a no-op (also for padded requests).
-    Copies that are no-ops (a chain-shaped accepted path) are still issued.
-    ``conv_state`` is ``[slots, dim, state_len]`` with any strides (e.g. the
-    transposed view of ``[slots, state_len, dim]`` storage); ``ssm_state`` is
-    ``[slots, ...]``. Either may be ``None``.
-    """
-    device = state_indices.device
-    n_req, depth = path_src.shape
-    if n_req == 0 or depth == 0:
-        return
-    cols = torch.arange(depth, device=device)
-    n_acc = num_accepted.to(device=device, dtype=torch.long).clamp(1, depth)
-    src = path_src.to(device=device, dtype=torch.long)
-    use = (cols[None, :] >= 1) & (cols[None, :] < n_acc[:, None]) & (src >= 0)
-    src = torch.where(use, src, cols[None, :])             # identity elsewhere
-
-    if ssm_state is not None:
-        last = (n_acc - 1)[:, None]
-        rows = state_indices.to(torch.long)
-        src_slot = rows.gather(1, src.gather(1, last)).squeeze(1)
-        dst_slot = rows.gather(1, last).squeeze(1)
-        moved = ssm_state.index_select(0, src_slot)
-        ssm_state.index_copy_(0, dst_slot, moved)
-
-    if conv_state is not None and depth > 1:
-        state_len = conv_state.shape[2]
-        if width - 2 + depth > state_len:
-            raise ValueError(
-                f"path_src: {depth} columns do not fit a conv buffer of "
-                f"{state_len} columns with width {width}")
-        slots = conv_slot.to(device=device, dtype=torch.long)[:, None]
-        src_cols = width - 2 + src[:, 1:]                           # [N, D-1]
-        dst_cols = (width - 2 + cols[1:])[None, :].expand(n_req, -1)
-        moved = conv_state[slots, :, src_cols]                      # [N, D-1, dim]
-        conv_state[slots, :, dst_cols] = moved

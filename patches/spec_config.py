@@ -39,10 +39,10 @@ from vllm_ddtree.config import (
 )
 from vllm_ddtree.attention import CUDA_BACKEND_NAME
 from vllm_ddtree.patches.base import Patch
-
-logger = init_logger("vllm.ddtree")
 from vllm_ddtree.stats import new_stats_dir
 
+
+logger = init_logger("vllm.ddtree")
 
 TREE_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
 

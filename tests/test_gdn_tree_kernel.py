@@ -1,5 +1,5 @@
 """Tree Gated DeltaNet spec-decode kernels: torch reference, Triton kernels,
-commit.
+and the engine's commit after the walk (``vllm_ddtree.gdn_tree``).
 
 Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 is
 set here before the kernel module is imported). With a GPU they run natively.
@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace  # noqa: E402
 
 import pytest  # noqa: E402
 
+from vllm_ddtree.gdn_tree import commit_columns, commit_layer  # noqa: E402
 from vllm_ddtree.kernels import gdn_tree as gt  # noqa: E402
 from vllm_ddtree.kernels import gdn_tree_reference as ref  # noqa: E402
 
@@ -97,8 +98,10 @@ class Batch:
 
 def make_batch(seed, trees, n_acc, *, width=4, dim=20, heads=(2, 4), K=8, V=8,
                dtype=F32, conv_dtype=None, ssm_dtype=None, transposed=False,
-               bias=True, activation="silu"):
-    """``trees``: per request a parent list (local indices)."""
+               bias=True, activation="silu", shared_slots=False):
+    """``trees``: per request a parent list (local indices). ``shared_slots``:
+    vLLM's layout, where conv buffers and SSM states share one slot space and
+    a request's conv slot is column 0 of its state-index row."""
     gen = torch.Generator().manual_seed(seed)
     H, HV = heads
     conv_dtype = conv_dtype or dtype
@@ -112,16 +115,19 @@ def make_batch(seed, trees, n_acc, *, width=4, dim=20, heads=(2, 4), K=8, V=8,
         return (torch.randn(*shape, generator=gen) * scale).to(dt)
 
     state_len = width - 1 + S
-    conv_slots = n_req + 3
+    ssm_slots = n_req * (S + 1) + 4
+    conv_slots = ssm_slots if shared_slots else n_req + 3
     if transposed:  # vLLM's "SD" layout: [slots, state_len, dim] storage
         conv_state = rnd(conv_slots, state_len, dim, dt=conv_dtype).transpose(1, 2)
     else:
         conv_state = rnd(conv_slots, dim, state_len, dt=conv_dtype)
-    conv_slot = (torch.randperm(conv_slots - 1, generator=gen)[:n_req] + 1).int()
-    ssm_slots = n_req * (S + 1) + 4
+    if not shared_slots:
+        conv_slot = (torch.randperm(conv_slots - 1, generator=gen)[:n_req] + 1).int()
     ssm_state = rnd(ssm_slots, HV, V, K, scale=0.5, dt=ssm_dtype)
     rows = (torch.randperm(ssm_slots - 1, generator=gen)[: n_req * (S + 1)] + 1)
     rows = rows.view(n_req, S + 1).int()
+    if shared_slots:
+        conv_slot = rows[:, 0].clone()
     a = rnd(T, HV)
     if T:
         a[0, 0] = 25.0  # softplus above its threshold
@@ -424,105 +430,189 @@ def test_null_slots_are_skipped():
 # --------------------------------------------------------------------------
 
 
+def _path_tensor(paths, device):
+    """The engine's accepted-path layout: ``path`` ``[N, 1 + S]`` (local node
+    indices, -1 padded) and ``num_accepted`` ``[N]`` (nodes past the root)."""
+    path = torch.full((len(paths), S + 1), -1, dtype=torch.long)
+    for i, p in enumerate(paths):
+        path[i, : len(p)] = torch.tensor(p)
+    acc = torch.tensor([len(p) - 1 for p in paths], dtype=torch.long)
+    return path.to(device), acc.to(device)
+
+
+def _window_cols(path, width):
+    """Oracle: the conv-buffer columns (after the tree step) holding the last
+    ``W - 1`` inputs along ``path``: ``[0, W - 2)`` is the prior window minus
+    its oldest input, node ``j``'s input is column ``W - 2 + j``."""
+    seq = list(range(width - 2)) + [width - 2 + j for j in path]
+    return seq[-(width - 1):]
+
+
+def _commit(bt, conv_state, ssm_state, paths):
+    """The engine's commit, in place (vLLM layout: conv slot = rows[:, 0])."""
+    assert torch.equal(bt.conv_slot.long(), bt.rows[:, 0].long())
+    path, acc = _path_tensor(paths, conv_state.device)
+    state_col, conv_cols = commit_columns(path, acc, bt.width)
+    commit_layer(conv_state, ssm_state, bt.rows, state_col, conv_cols)
+
+
 def _pick_paths(bt, gen):
-    """A random accepted path per request; request 0's ends off the chain."""
+    """An accepted path per request: request 0's deepest path that leaves the
+    chain, request 1's longest chain-shaped path (``[0, 1, .., a]``, a >= 1),
+    request 2 only the root, any others a random node's path."""
     paths = []
     for i, par in enumerate(bt.par):
-        n = len(par)
+        all_paths = [ref.path_of(par, j) for j in range(len(par))]
         if i == 0:
-            end = next(j for j in range(n) if len(ref.path_of(par, j)) - 1 != j)
+            path = max((p for p in all_paths if p != list(range(len(p)))), key=len)
+        elif i == 1:
+            path = max((p for p in all_paths if p == list(range(len(p)))), key=len)
+            assert len(path) >= 2
+        elif i == 2:
+            path = [0]
         else:
-            end = int(torch.randint(0, n, (1,), generator=gen))
-        paths.append(ref.path_of(par, end))
+            path = all_paths[int(torch.randint(0, len(par), (1,), generator=gen))]
+        paths.append(path)
     return paths
 
 
+@pytest.mark.parametrize("width", [4, 2])
 @pytest.mark.parametrize("engine", ["ref", "kernel"])
-def test_commit_then_chain_step_equals_chain_over_accepted_path(engine):
-    """Tree step + commit + chain step == chain over the accepted path + the
-    same chain step (all steps by ``engine``); skipping the commit breaks it."""
+def test_commit_then_chain_step_equals_chain_over_accepted_path(engine, width):
+    """Tree step + the engine's commit + a chain step with num_accepted = 1 ==
+    one chain over (accepted path + that step's tokens) from the original
+    buffers and num_accepted (all steps by ``engine``); skipping the commit
+    breaks every request that accepted more than the root."""
     if engine == "kernel":
         conv_update, rec_update, device = gt.tree_conv_update, gt.tree_recurrent_update, DEVICE
     else:
         conv_update, rec_update = ref.tree_conv_update_ref, ref.tree_recurrent_update_ref
         device = "cpu"
+    W = width
     gen = torch.Generator().manual_seed(21)
-    W = 4
-    bt = to_device(random_batch(21, n_req=4, width=W, dim=12, heads=(1, 2),
-                                transposed=True), device)
+    trees = [[-1, 0, 0, 2, 1, 3, 5],       # accepts 0-2-3-5-6: off the chain, deep
+             [-1, 0, 1, 0, 2, 3],          # accepts 0-1-2: chain-shaped
+             [-1, 0, 0],                   # accepts the root only
+             random_parents(6, gen)]       # a random node
+    kw = dict(width=W, dim=12, heads=(1, 2), transposed=True, shared_slots=True)
+    bt = to_device(make_batch(21, trees, [3, 9, 1, 5], **kw), device)
     paths = _pick_paths(bt, gen)
-    acc = [len(p) for p in paths]
+    assert paths[:3] == [[0, 2, 3, 5, 6], [0, 1, 2], [0]]
+    n_req = len(paths)
 
-    # Tree step, then the commit (readable and vectorised forms agree).
+    # Tree step (original num_accepted), then the commit.
     cs, hs = bt.conv_state.clone(), bt.ssm_state.clone()
+    assert cs.stride(1) == 1  # vLLM's transposed view of [slots, state_len, dim]
     conv_update(*bt.conv_args(cs))
     rec_update(*bt.rec_args(hs))
     uncommitted = (cs.clone(), hs.clone())
-    ref.commit_ref(cs, hs, bt.conv_slot, bt.rows, paths, W)
-    path_src = torch.full((len(paths), S + 1), -1, dtype=torch.long)
-    for i, p in enumerate(paths):
-        path_src[i, : len(p)] = torch.tensor(p)
-    # conv buffer as vLLM's transposed view of [slots, state_len, dim] storage
-    cs_v = uncommitted[0].transpose(1, 2).to(DEVICE, copy=True).transpose(1, 2)
-    assert cs_v.stride(1) == 1
-    hs_v = uncommitted[1].to(DEVICE, copy=True)
-    gt.commit(cs_v, hs_v, bt.conv_slot.to(DEVICE), bt.rows.to(DEVICE),
-              path_src.to(DEVICE), torch.tensor(acc, dtype=torch.int32, device=DEVICE),
-              W)
-    assert torch.equal(cs_v.cpu(), cs.cpu()) and torch.equal(hs_v.cpu(), hs.cpu())
+    _commit(bt, cs, hs, paths)
+    # Only column 0 of each row (conv slot and state slot) is written.
+    written = torch.zeros(cs.shape[0], dtype=torch.bool, device=device)
+    written[bt.rows[:, 0].long()] = True
+    assert torch.equal(cs[~written], uncommitted[0][~written])
+    assert torch.equal(hs[~written], uncommitted[1][~written])
 
-    # Baseline: the accepted paths verified as chains from the same buffers.
-    base_cs, base_hs = bt.conv_state.clone(), bt.ssm_state.clone()
-    spans = bt.spans()
-    tok = torch.tensor([spans[i][0] + j for i, p in enumerate(paths) for j in p],
-                       device=device)
-    cu_acc = torch.tensor([0] + torch.tensor(acc).cumsum(0).tolist(), dtype=torch.int32)
-    acc_chain = replace(bt, cu=cu_acc.to(device), x=bt.x[tok], q=bt.q[tok],
-                        k=bt.k[tok], v=bt.v[tok], a=bt.a[tok], b=bt.b[tok])
-    conv_update(*acc_chain.conv_args(base_cs, parent=None))
-    rec_update(*acc_chain.rec_args(base_hs, parent=None))
-
-    # Next step: a chain of fresh tokens with num_accepted = a + 1.
-    nxt = to_device(random_batch(22, n_req=4, width=W, dim=12, heads=(1, 2)), device)
+    # Next step: a chain of fresh tokens per request, num_accepted = 1.
+    q_next = [min(3, S + 1 - len(p)) for p in paths]
+    nxt = to_device(make_batch(22, [list(range(-1, m - 1)) for m in q_next],
+                               [1] * n_req, **kw), device)
     nxt = replace(nxt, weight=bt.weight, bias=bt.bias, A_log=bt.A_log,
-                  dt_bias=bt.dt_bias, conv_slot=bt.conv_slot, rows=bt.rows,
-                  n_acc=torch.tensor(acc, dtype=torch.int32, device=device))
+                  dt_bias=bt.dt_bias, conv_slot=bt.conv_slot, rows=bt.rows)
 
-    def step(conv_state, ssm_state):
+    def step(batch, conv_state, ssm_state):
         conv_state, ssm_state = conv_state.clone(), ssm_state.clone()
-        out = conv_update(*nxt.conv_args(conv_state, parent=None))
-        o = rec_update(*nxt.rec_args(ssm_state, parent=None))
-        return out, o
+        out = conv_update(*batch.conv_args(conv_state, parent=None))
+        o = rec_update(*batch.rec_args(ssm_state, parent=None))
+        return out, o, conv_state, ssm_state
 
-    want = step(base_cs, base_hs)
-    got = step(cs, hs)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    # Negative control: without the commit request 0 (whose accepted path
-    # leaves the chain) goes wrong.
-    skipped = step(*uncommitted)
-    n0 = len(nxt.par[0])
-    assert not torch.allclose(skipped[0][:n0], want[0][:n0], atol=1e-3)
-    assert not torch.allclose(skipped[1][:n0], want[1][:n0], atol=1e-3)
+    # Baseline: one chain per request over the accepted path's inputs and the
+    # next step's, from the original buffers with the original num_accepted.
+    spans, nspans = bt.spans(), nxt.spans()
+    lens = [len(p) + m for p, m in zip(paths, q_next, strict=True)]
+
+    def gather(name):
+        src, fresh = getattr(bt, name), getattr(nxt, name)
+        return torch.cat([torch.cat([src[spans[i][0] + torch.tensor(p, device=device)],
+                                     fresh[nspans[i][0]:nspans[i][1]]])
+                          for i, p in enumerate(paths)])
+
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    base = replace(bt, cu=cu.to(device), parent=ref.chain_parent(cu).to(device),
+                   par=[list(range(-1, m - 1)) for m in lens],
+                   **{f: gather(f) for f in ("x", "q", "k", "v", "a", "b")})
+    want = step(base, bt.conv_state, bt.ssm_state)
+    got = step(nxt, cs, hs)
+    skipped = step(nxt, *uncommitted)
+
+    W1 = W - 1
+    bspans = base.spans()
+    for i, p in enumerate(paths):
+        b0, b1 = bspans[i][0] + len(p), bspans[i][1]   # next step's tokens in the baseline
+        n0, n1 = nspans[i]
+        m, L = q_next[i], lens[i]
+        slot, row = int(bt.conv_slot[i]), bt.rows[i].tolist()
+        # Outputs of the next step, the state it leaves and the conv window a
+        # following step would resume from (columns [m - 1, m + W - 2) after
+        # it, [L - 1, L + W - 2) after the baseline).
+        checks = [
+            ("conv out", got[0][n0:n1], want[0][b0:b1], skipped[0][n0:n1]),
+            ("rec out", got[1][n0:n1], want[1][b0:b1], skipped[1][n0:n1]),
+            ("window", got[2][slot, :, m - 1:m - 1 + W1],
+             want[2][slot, :, L - 1:L - 1 + W1], skipped[2][slot, :, m - 1:m - 1 + W1]),
+            ("state", got[3][row[m - 1]], want[3][row[L - 1]], skipped[3][row[m - 1]]),
+        ]
+        for name, g, w, sk in checks:
+            assert torch.equal(g, w), (i, p, name)
+            if len(p) == 1:   # root only: the commit is the identity
+                assert torch.equal(sk, w), (i, p, name)
+            elif name != "window" or m < W1:
+                # Negative control (the window no longer holds accepted
+                # inputs once the next step has written W - 1 of its own).
+                assert not torch.allclose(sk.float(), w.float(), atol=1e-3), (i, p, name)
 
 
-def test_commit_ignores_padding_and_chains():
-    W = 3
-    bt = to_device(random_batch(31, n_req=3, width=W, transposed=True), DEVICE)
+@pytest.mark.parametrize("width", [2, 3, 4])
+def test_commit_ignores_padding_and_chains(width):
+    """``commit_columns`` + ``commit_layer`` against a per-request oracle:
+    column 0 <- the accepted node's state, conv columns [0, W - 1) <- the last
+    W - 1 inputs along the accepted path; entries past ``num_accepted`` are
+    ignored, a root-only request and a chain-shaped path need nothing else,
+    and nothing but column 0 of each row is written."""
+    W = width
+    trees = [[-1, 0, 0, 2, 1, 3, 5], [-1, 0, 1, 2, 3, 4], [-1, 0, 0], [-1]]
+    bt = make_batch(31, trees, [1, 1, 1, 1], width=W, transposed=True,
+                    shared_slots=True)
+    paths = [[0, 2, 3, 5, 6], [0, 1, 2, 3], [0], [0]]
     cs, hs = bt.conv_state.clone(), bt.ssm_state.clone()
-    path_src = torch.full((3, S + 1), -1, dtype=torch.long, device=DEVICE)
-    path_src[1, :4] = torch.arange(4)          # a chain: nothing moves
-    path_src[2, 0] = 5                         # padding junk, num_accepted 0
-    n_acc = torch.tensor([1, 4, 0], dtype=torch.int32, device=DEVICE)
-    gt.commit(cs, hs, bt.conv_slot, bt.rows, path_src, n_acc, W)
-    assert torch.equal(cs, bt.conv_state) and torch.equal(hs, bt.ssm_state)
-    # Only the conv buffer, or only the state.
-    path_src[0, :3] = torch.tensor([0, 2, 3])
-    n_acc[0] = 3
-    gt.commit(cs, None, bt.conv_slot, bt.rows, path_src, n_acc, W)
-    s0 = int(bt.conv_slot[0])
-    assert torch.equal(cs[s0, :, W - 1:W + 1], bt.conv_state[s0, :, W:W + 2])
-    gt.commit(None, hs, bt.conv_slot, bt.rows, path_src, n_acc, W)
-    assert torch.equal(hs[int(bt.rows[0, 2])], bt.ssm_state[int(bt.rows[0, 3])])
+    assert cs.stride(1) == 1
+    path, acc = _path_tensor(paths, DEVICE)
+    junk = path.clone()
+    junk[junk < 0] = 5          # padding past num_accepted: junk, not -1
+    state_col, conv_cols = commit_columns(junk, acc, W)
+    assert state_col.tolist() == [p[-1] for p in paths]
+    assert conv_cols.tolist() == [_window_cols(p, W) for p in paths]
+    assert [c.tolist() for c in commit_columns(path, acc, W)] == [state_col.tolist(),
+                                                                  conv_cols.tolist()]
+    commit_layer(cs, hs, bt.rows, state_col, conv_cols)
+
+    want_cs, want_hs = bt.conv_state.clone(), bt.ssm_state.clone()
+    for i, p in enumerate(paths):
+        slot, row = int(bt.conv_slot[i]), bt.rows[i].tolist()
+        want_cs[slot, :, : W - 1] = bt.conv_state[slot, :, _window_cols(p, W)]
+        want_hs[row[0]] = bt.ssm_state[row[p[-1]]]
+    assert torch.equal(cs, want_cs) and torch.equal(hs, want_hs)
+    # The chain-shaped path takes buffer columns [a, a + W - 1) and column a;
+    # the root-only requests are untouched.
+    s1, a1 = int(bt.conv_slot[1]), len(paths[1]) - 1
+    assert torch.equal(cs[s1, :, : W - 1], bt.conv_state[s1, :, a1:a1 + W - 1])
+    assert torch.equal(hs[int(bt.rows[1, 0])], bt.ssm_state[int(bt.rows[1, a1])])
+    for i in (2, 3):
+        assert torch.equal(cs[int(bt.conv_slot[i])], bt.conv_state[int(bt.conv_slot[i])])
+        assert torch.equal(hs[int(bt.rows[i, 0])], bt.ssm_state[int(bt.rows[i, 0])])
+    # Request 0's commit really moves something (the test has power).
+    assert not torch.equal(cs[int(bt.conv_slot[0])], bt.conv_state[int(bt.conv_slot[0])])
+    assert not torch.equal(hs[int(bt.rows[0, 0])], bt.ssm_state[int(bt.rows[0, 0])])
 
 
 # --------------------------------------------------------------------------

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -41,16 +43,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_pair, tmp_path_factory):
-    target, drafter = tiny_pair
+@contextmanager
+def serving(target: str, name: str, spec: dict, log: Path, *extra: str):
+    """``vllm serve target`` on a free loopback port until the block ends;
+    yields the base URL once /health answers."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
     vllm_cli = Path(sys.executable).parent / "vllm"
-    spec = json.dumps({"method": "ddtree", "model": drafter, "num_speculative_tokens": BUDGET})
-    cmd = [str(vllm_cli), "serve", target, "--served-model-name", "tiny-qwen3",
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "2048", "--speculative-config", spec]
+    cmd = [str(vllm_cli), "serve", target, "--served-model-name", name,
+           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
+           "--speculative-config", json.dumps(spec), *extra]
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT,
                                 env=server_env(), start_new_session=True)
@@ -76,6 +77,15 @@ def server(tiny_pair, tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_pair, tmp_path_factory):
+    target, drafter = tiny_pair
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": BUDGET}
+    with serving(target, "tiny-qwen3", spec, log, "--dtype", "float32") as base:
+        yield base
 
 
 def _complete(base, prompt, **kw):
@@ -203,3 +213,40 @@ def test_ddtree_metrics_on_metrics_endpoint(server):
     expected = dd["vllm:ddtree_expected_accepted_tokens_total"]
     assert dd["vllm:ddtree_expected_acceptance_length"] == pytest.approx(1 + expected / drafts)
     assert 0 < expected <= dd["vllm:ddtree_num_nodes_verified_total"]
+
+
+# ---------------------------------------------------------------- hybrid target
+def test_hybrid_target_serves_and_bench_serve_reports_tau(tiny_hybrid, tmp_path):
+    """The tiny hybrid (Gated DeltaNet + M-RoPE attention, bf16) served with
+    DDTree: a completion over HTTP, then `vllm bench serve`, whose acceptance
+    length must show accepted tree nodes."""
+    target, drafter = tiny_hybrid
+    # A fixed budget, so that every step verifies a tree whatever this CPU's costs.
+    spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": BUDGET,
+            "ddtree_adaptive": False}
+    dataset = tmp_path / "prompts.jsonl"
+    from benchmarks.run_llm import humaneval_prompts
+
+    dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in humaneval_prompts(8)))
+    with serving(target, "tiny-qwen35", spec, tmp_path / "server.log", "--dtype", "bfloat16",
+                 "--enforce-eager") as base:
+        r = requests.post(f"{base}/v1/completions", timeout=120, json={
+            "model": "tiny-qwen35", "prompt": "def fibonacci(n):\n", "max_tokens": 24,
+            "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 24
+        out = subprocess.run(
+            [str(Path(sys.executable).parent / "vllm"), "bench", "serve", "--backend", "vllm",
+             "--base-url", base, "--model", "tiny-qwen35", "--tokenizer", target,
+             "--dataset-name", "custom", "--dataset-path", str(dataset),
+             "--custom-output-len", "32", "--num-prompts", "8", "--max-concurrency", "4",
+             "--temperature", "0", "--ignore-eos", "--skip-chat-template"],
+            capture_output=True, text=True, env=dict(server_env(), HF_HUB_OFFLINE="1"),
+            cwd=ROOT, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        m = re.search(r"Acceptance length:\s*([\d.]+)", out.stdout)
+        assert m, out.stdout[-3000:]
+        print(f"\nhybrid: vllm bench serve acceptance length {m.group(1)}")
+        assert float(m.group(1)) > 1.5
+        metrics = requests.get(f"{base}/metrics", timeout=10).text
+        assert "vllm:ddtree_num_drafts_total" in metrics

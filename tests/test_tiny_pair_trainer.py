@@ -4,12 +4,14 @@ checkpoint layout of the bundled models."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
+import torch
 from safetensors import safe_open
 
-from tests.conftest import DRAFTER, ROOT, TARGET
+from tests.conftest import DRAFTER, HYBRID, HYBRID_DRAFTER, ROOT, TARGET
 
 
 def _keys(path):
@@ -17,14 +19,21 @@ def _keys(path):
         return set(f.keys())
 
 
-def test_trainer_smoke(tmp_path):
-    out, work = tmp_path / "models", tmp_path / "work"
+TOY = ["--threads", "1", "--target-steps", "2", "--target-seq", "32", "--target-batch", "2",
+       "--distill-seqs", "128", "--distill-new", "24", "--drafter-steps", "2",
+       "--drafter-batch", "2"]
+
+
+def _train(out, work, *extra):
     cmd = [sys.executable, "-m", "benchmarks.tiny_pair.train", "--out", str(out), "--work",
-           str(work), "--threads", "1", "--target-steps", "2", "--target-seq", "32",
-           "--target-batch", "2", "--distill-seqs", "128", "--distill-new", "24",
-           "--drafter-steps", "2", "--drafter-batch", "2"]
+           str(work), *TOY, *extra]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_trainer_smoke(tmp_path):
+    out, work = tmp_path / "models", tmp_path / "work"
+    _train(out, work)
     for name in ("tiny-qwen3", "tiny-qwen3-dflash"):
         bundled = TARGET if name == "tiny-qwen3" else DRAFTER
         assert _keys(out / name / "model.safetensors") == _keys(bundled / "model.safetensors")
@@ -36,3 +45,21 @@ def test_trainer_smoke(tmp_path):
     assert (out / "tiny-qwen3-dflash" / "mask_embedding.pt").exists()
     log = json.loads((out / "training_log.json").read_text())
     assert len(log["target_train"]) == 2 and len(log["drafter_train"]) == 2
+
+    # The hybrid pair (--arch qwen3_5), from the same tokenizer and corpus.
+    hwork = tmp_path / "work_hybrid"
+    hwork.mkdir()
+    shutil.copytree(work / "tokenizer", hwork / "tokenizer")
+    shutil.copy(work / "tokens.pt", hwork / "tokens.pt")
+    _train(out, hwork, "--arch", "qwen3_5")
+    for name, bundled in (("tiny-qwen35", HYBRID), ("tiny-qwen35-dflash", HYBRID_DRAFTER)):
+        assert _keys(out / name / "model.safetensors") == _keys(bundled / "model.safetensors")
+        new_cfg = json.loads((out / name / "config.json").read_text())
+        old_cfg = json.loads((bundled / "config.json").read_text())
+        assert new_cfg["architectures"] == old_cfg["architectures"]
+    tcfg = json.loads((out / "tiny-qwen35" / "config.json").read_text())
+    assert tcfg["dtype"] == "bfloat16" and "linear_attention" in tcfg["layer_types"]
+    with safe_open(str(out / "tiny-qwen35" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16
+    hlog = json.loads((out / "training_log_qwen35.json").read_text())
+    assert len(hlog["target_train"]) == 2 and len(hlog["drafter_train"]) == 2

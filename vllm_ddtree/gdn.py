@@ -130,11 +130,12 @@ def cpu_tree_spec_forward(step: GDNTreeStep, layer: Any, md: Any, mixed_qkv: Ten
         rows = idx.index_select(0, wave.seq).gather(1, wave.cols)
         nacc = torch.where(wave.from_root, num_acc.index_select(0, wave.seq), wave.length + 1)
         t = wave.tokens
-        pick = (lambda v: v) if t is None else (lambda v: v.index_select(0, t))  # noqa: E731
+        q_w, k_w, v_w, a_w, b_w = ((query, key, value, a, b) if t is None else
+                                   (x.index_select(0, t) for x in (query, key, value, a, b)))
         o = ops.fused_sigmoid_gating_delta_rule_update_spec_cpu(
             A_log=layer.A_log, dt_bias=layer.dt_bias,
-            q=pick(query).contiguous(), k=pick(key).contiguous(), v=pick(value).contiguous(),
-            a=pick(a).contiguous(), b=pick(b).contiguous(),
+            q=q_w.contiguous(), k=k_w.contiguous(), v=v_w.contiguous(),
+            a=a_w.contiguous(), b=b_w.contiguous(),
             initial_state_source=ssm_state,
             spec_state_indices=rows.to(torch.int32).contiguous(),
             num_accepted_tokens=nacc.to(torch.int32).contiguous(),

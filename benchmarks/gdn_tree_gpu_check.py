@@ -12,7 +12,11 @@ each verifying a 65-node tree (random parents in flat order, S = 64):
    root paths;
 3. if vLLM is importable (optional), compares the chain with vLLM's stock
    ``causal_conv1d_update`` / ``fused_sigmoid_gating_delta_rule_update``;
-4. times tree vs chain (and a small tile sweep, and the commit).
+4. times tree vs chain (and a small tile sweep, and the engine's commit after
+   the walk, ``vllm_ddtree.gdn_tree.commit_columns`` / ``commit_layer``).
+
+Conv buffers and SSM states share one slot space, as in vLLM: a request's
+conv slot is column 0 of its state-index row.
 
 Prints a summary and writes JSON to ``$OUT/gdn_tree_gpu_check.json`` when
 ``OUT`` is set (or to ``--out``). Exit status 1 if a check fails. Runs in well
@@ -37,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.pop("TRITON_INTERPRET", None)
 
 try:
+    from vllm_ddtree import gdn_tree as gdn_commit
     from vllm_ddtree.kernels import gdn_tree as gt
     from vllm_ddtree.kernels import gdn_tree_reference as ref
 except ImportError:  # not installed: map the package onto this checkout
@@ -45,6 +50,7 @@ except ImportError:  # not installed: map the package onto this checkout
         mod = types.ModuleType(name)
         mod.__path__ = [str(path)]
         sys.modules[name] = mod
+    from vllm_ddtree import gdn_tree as gdn_commit  # torch only, no vLLM
     from vllm_ddtree.kernels import gdn_tree as gt
     from vllm_ddtree.kernels import gdn_tree_reference as ref
 
@@ -92,8 +98,8 @@ def make_inputs(cfg: str, seed: int = 0) -> dict:
     T = N_REQ * NODES
     cu = torch.arange(0, T + 1, NODES, dtype=torch.int32)
     n_acc = torch.randint(1, S + 2, (N_REQ,), generator=gen, dtype=torch.int32)
-    conv_slots = N_REQ + 1
     ssm_slots = N_REQ * NODES + 1
+    conv_slots = ssm_slots  # one slot space (vLLM): conv slot = rows[:, 0]
     rows = (torch.randperm(ssm_slots - 1, generator=gen) + 1).view(N_REQ, NODES).int()
 
     def rnd(*shape, scale=1.0, dt=in_dt):
@@ -101,11 +107,14 @@ def make_inputs(cfg: str, seed: int = 0) -> dict:
 
     # vLLM's default conv layout: [slots, state_len, dim] storage, viewed
     # as [slots, dim, state_len].
-    conv_state = rnd(conv_slots, W - 1 + S, DIM, dt=conv_dt).transpose(1, 2)
+    # (Drawn on the device: with one slot space the buffer has ssm_slots slots.)
+    dev_gen = torch.Generator(dev).manual_seed(seed)
+    conv_state = torch.randn(conv_slots, W - 1 + S, DIM, generator=dev_gen,
+                             device=dev).to(conv_dt).transpose(1, 2)
     return dict(
         parent=torch.tensor(parents, dtype=torch.int32, device=dev),
         cu=cu.to(dev), n_acc=n_acc.to(dev),
-        conv_slot=(torch.randperm(conv_slots - 1, generator=gen)[:N_REQ] + 1).int().to(dev),
+        conv_slot=rows[:, 0].clone().to(dev),
         rows=rows.to(dev), x=rnd(T, DIM), weight=rnd(DIM, W, scale=0.5),
         bias=rnd(DIM, scale=0.5), conv_state=conv_state,
         q=rnd(T, H, K), k=rnd(T, H, K), v=rnd(T, HV, V), a=rnd(T, HV), b=rnd(T, HV),
@@ -298,18 +307,21 @@ def timings(cfg: str, d: dict) -> None:
             tm[f"{cfg}/conv_tree_bn{bn}"] = time_us(
                 lambda b=bn: gt.tree_conv_update(*conv_args(d, cs, d["parent"]),
                                                  block_n=b))
-    path_src = torch.full((N_REQ, NODES), -1, dtype=torch.long)
+    # The engine's commit (one layer): accepted path [N, 1 + S], -1 padded,
+    # and the accepted nodes past the root; columns computed once per step.
+    path = torch.full((N_REQ, NODES), -1, dtype=torch.long)
     parent = d["parent"].tolist()
     n_acc = d["n_acc"].tolist()
+    acc = []
     for i in range(N_REQ):  # accepted path: root path of some node
-        j = n_acc[i] - 1
-        path = ref.path_of(parent[i * NODES:(i + 1) * NODES], j)
-        path_src[i, : len(path)] = torch.tensor(path)
-    acc = torch.tensor([len(ref.path_of(parent[i * NODES:(i + 1) * NODES], n_acc[i] - 1))
-                        for i in range(N_REQ)], dtype=torch.int32, device="cuda")
-    path_src = path_src.cuda()
-    tm[f"{cfg}/commit"] = time_us(
-        lambda: gt.commit(cs, hs, d["conv_slot"], d["rows"], path_src, acc, W))
+        p = ref.path_of(parent[i * NODES:(i + 1) * NODES], n_acc[i] - 1)
+        path[i, : len(p)] = torch.tensor(p)
+        acc.append(len(p) - 1)
+    path, acc = path.cuda(), torch.tensor(acc, device="cuda")
+    tm[f"{cfg}/commit_columns"] = time_us(lambda: gdn_commit.commit_columns(path, acc, W))
+    state_col, conv_cols = gdn_commit.commit_columns(path, acc, W)
+    tm[f"{cfg}/commit_layer"] = time_us(
+        lambda: gdn_commit.commit_layer(cs, hs, d["rows"], state_col, conv_cols))
 
 
 def main() -> int:

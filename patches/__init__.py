@@ -10,6 +10,6 @@ def all_patches() -> list[Patch]:
     from vllm_ddtree.patches import (cpu_seed_rewind, gdn_tree, model_runner, request_params,
                                      spec_config, stat_loggers)
 
-    return [spec_config.PATCH, request_params.PATCH,
+    return [spec_config.PATCH, spec_config.PREFIX_CACHING_DEFAULT, request_params.PATCH,
             model_runner.CPU_RUNNER, model_runner.CUDA_RUNNER, stat_loggers.PATCH,
             cpu_seed_rewind.SNAPSHOT, cpu_seed_rewind.REWIND, gdn_tree.PATCH]

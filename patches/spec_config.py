@@ -47,6 +47,13 @@ logger = init_logger("vllm.ddtree")
 TREE_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
 
 
+def _asks_for_ddtree(args: Any) -> bool:
+    """Whether these engine args ask for DDTree (without normalising them)."""
+    spec = args.speculative_config
+    return args.spec_method == METHOD or (isinstance(spec, dict)
+                                          and spec.get("method") == METHOD)
+
+
 def _user_dict(args: Any) -> dict[str, Any] | None:
     spec = args.speculative_config
     if args.spec_method == METHOD:
@@ -106,12 +113,12 @@ def check_hybrid_target(args: Any, model_config: Any, budget: int, is_cpu: bool)
                       "vllm_ddtree/kernels/gdn_tree.py are not wired into vLLM's GDN layer yet)",
                       dflash)
     if args.enable_prefix_caching or args.mamba_cache_mode == "align":
+        # (left to its default, prefix caching is already off: PREFIX_CACHING_DEFAULT)
         flag = ("enable_prefix_caching" if args.enable_prefix_caching else "mamba_cache_mode")
         raise _refuse(flag, "on hybrid targets prefix caching needs vLLM's 'align' mamba cache "
                       "mode, whose per-step state copies follow the chain's accepted count, not "
                       "DDTree's committed column", "Serve with --no-enable-prefix-caching "
                       f"(and --mamba-cache-mode none). {dflash}")
-    args.enable_prefix_caching = False
     text = model_config.hf_text_config
     conv_b = _dtype_bytes(args.mamba_cache_dtype, model_config.dtype)
     ssm_b = _dtype_bytes(args.mamba_ssm_cache_dtype, model_config.dtype)
@@ -266,3 +273,31 @@ PATCH = Patch(
     build=_build,
 )
 
+
+
+def _build_prefix_default(original):
+    def _set_default_chunked_prefill_and_prefix_caching_args(self, model_config):
+        if (self.enable_prefix_caching is None and model_config.is_hybrid
+                and _asks_for_ddtree(self)):
+            # Left to vLLM, prefix caching would be on, in the 'align' mamba cache
+            # mode, which DDTree cannot serve on hybrids; asked for, it is refused
+            # (check_hybrid_target).
+            self.enable_prefix_caching = False
+            logger.info("DDTree: prefix caching is off for the hybrid target %s (its "
+                        "'align' mamba cache mode follows the chain's bookkeeping)",
+                        model_config.model)
+        return original(self, model_config)
+
+    return _set_default_chunked_prefill_and_prefix_caching_args
+
+
+PREFIX_CACHING_DEFAULT = Patch(
+    name="hybrid-prefix-caching-default",
+    target="vllm.engine.arg_utils:EngineArgs._set_default_chunked_prefill_and_prefix_caching_args",
+    why="Turn prefix caching off by default for DDTree on hybrid targets, before vLLM builds "
+        "the cache config (create_speculative_config runs after it); an explicit "
+        "--enable-prefix-caching is refused instead.",
+    upstream="vLLM has no per-speculative-method default for prefix caching",
+    vllm_versions="==0.32.*",
+    build=_build_prefix_default,
+)

@@ -138,10 +138,9 @@ def _hybrid_args(**kw):
 def test_hybrid_target_checks(monkeypatch):
     from vllm_ddtree.patches.spec_config import check_hybrid_target, gdn_state_bytes
 
-    # a GDN hybrid passes, and prefix caching is turned off for it
-    args = _hybrid_args()
-    check_hybrid_target(args, _hybrid_model_config(), 16, is_cpu=True)
-    assert args.enable_prefix_caching is False
+    # a GDN hybrid passes
+    check_hybrid_target(_hybrid_args(enable_prefix_caching=False), _hybrid_model_config(), 16,
+                        is_cpu=True)
     with pytest.raises(DDTreeConfigError, match=r"^enable_prefix_caching:.*align.*"
                                                 r"--no-enable-prefix-caching"):
         check_hybrid_target(_hybrid_args(enable_prefix_caching=True), _hybrid_model_config(),
@@ -165,6 +164,16 @@ def test_hybrid_target_checks(monkeypatch):
                                                 r"13\.13 GiB.*<= 42\b"):
         check_hybrid_target(_hybrid_args(mamba_ssm_cache_dtype="float32"), big, 64,
                             is_cpu=True)
+
+
+def test_hybrid_prefix_caching_is_off_by_default_and_refused_when_asked(tiny_hybrid):
+    target, drafter = tiny_hybrid
+    cfg = _args(target, drafter, dtype="bfloat16").create_engine_config()
+    assert cfg.cache_config.enable_prefix_caching is False
+    assert cfg.cache_config.mamba_cache_mode != "align"
+    with pytest.raises(DDTreeConfigError, match=r"^enable_prefix_caching:.*align"):
+        _args(target, drafter, dtype="bfloat16",
+              enable_prefix_caching=True).create_engine_config()
 
 
 def test_more_than_one_target_kv_group_is_refused():
@@ -205,3 +214,24 @@ def test_stock_attention_on_the_target_is_refused(tiny_pair, tmp_path, breaker, 
                                    "num_speculative_tokens": 8, "ddtree_adaptive": False})
     with pytest.raises(RuntimeError, match=message):
         run_job(job, tmp_path, timeout=300)
+
+
+def test_multimodal_targets_are_served_text_only():
+    """Image and video inputs are refused per request by vLLM's own limits."""
+    from vllm.config.multimodal import MultiModalConfig
+
+    from vllm_ddtree.patches.spec_config import check_engine_args
+
+    mm = MultiModalConfig()
+    assert mm.get_limit_per_prompt("image") > 0
+    model_config = SimpleNamespace(
+        is_attention_free=False, is_hybrid=False, uses_alibi=False, multimodal_config=mm,
+        model="tiny-vl", get_sliding_window=lambda: None,
+        hf_text_config=SimpleNamespace(layer_types=None))
+    parallel = SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1,
+                               decode_context_parallel_size=1,
+                               prefill_context_parallel_size=1)
+    args = SimpleNamespace(kv_cache_dtype="auto", async_scheduling=False)
+    check_engine_args(args, model_config, parallel, 16)
+    assert mm.language_model_only
+    assert mm.get_limit_per_prompt("image") == 0 and mm.get_limit_per_prompt("video") == 0

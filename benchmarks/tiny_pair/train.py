@@ -224,6 +224,9 @@ def train_target(tok, work: Path, steps: int, seq: int, bsz: int, lr: float, cur
     model_cls = ARCH.model_cls()
     tdir = work / "target"
     if (tdir / "config.json").exists():
+        # the cached stage's curves travel with it, so a later run logs them too
+        if (tdir / "curves.json").exists():
+            curves.update(json.loads((tdir / "curves.json").read_text()))
         return model_cls.from_pretrained(tdir, dtype=torch.float32)
     train, val = streams(tok, work)
     torch.manual_seed(0)
@@ -245,6 +248,8 @@ def train_target(tok, work: Path, steps: int, seq: int, bsz: int, lr: float, cur
             curves["target_val"].append([step, v])
             bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{v:.3f}")
     model.save_pretrained(tdir, safe_serialization=True)
+    (tdir / "curves.json").write_text(json.dumps(
+        {k: curves[k] for k in ("target_train", "target_val")}))
     return model
 
 
@@ -342,6 +347,8 @@ def train_drafter(model, seqs, work: Path, steps: int, bsz: int, anchors: int, l
         drafter.mask_embedding.copy_(model.model.embed_tokens.weight[MASK_ID])
     if path.exists():
         drafter.load_state_dict(torch.load(path))
+        if path.with_suffix(".curves.json").exists():
+            curves.update(json.loads(path.with_suffix(".curves.json").read_text()))
         return drafter
     model.eval()
     for p in model.parameters():
@@ -397,6 +404,8 @@ def train_drafter(model, seqs, work: Path, steps: int, bsz: int, anchors: int, l
             curves["drafter_val_acc"].append([step, acc.mean(dim=(0, 1)).tolist(), tau])
             bar.set_postfix(loss=f"{loss.item():.3f}", val=f"{vl.item():.3f}", tau=f"{tau:.2f}")
     torch.save(drafter.state_dict(), path)
+    path.with_suffix(".curves.json").write_text(json.dumps(
+        {k: curves[k] for k in ("drafter_train", "drafter_val", "drafter_val_acc")}))
     return drafter
 
 

@@ -233,3 +233,4 @@ def test_commit_then_stock_step_equals_fresh_chain():
         assert torch.equal(after[i * m:(i + 1) * m], fresh[-m:]), (i, paths[i])
         differs |= not torch.equal(after_skipped[i * m:(i + 1) * m], fresh[-m:])
     assert differs, "skipping the commit should change the next step"
+

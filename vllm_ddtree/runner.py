@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -144,14 +145,20 @@ class DDTreeRunnerMixin:
             with_expected=self.ddtree_stats is not None,
             with_logq=self.ddtree_policy is not None, check_drafts=self.ddtree_debug)
         rnd = self.ddtree_round
-        if rnd is not None and self.ddtree_gdn_layers:
-            # Each token row's parent within its request (-1: the root), for
-            # the GDN layers' tree recurrence; drafts that are not a tree of
-            # ours are chains.
-            parents = F.pad(rnd.parents, (1, 0), value=-1)
-            node = self.query_pos.gpu[:total].long().clamp(max=self.ddtree.budget)
-            self.ddtree_gdn_step = GDNTreeStep(
-                parents[self.req_indices.gpu[:total].long(), node])
+        if self.ddtree_gdn_layers and (self.num_decode_draft_tokens.np[:num_reqs] >= 0).any():
+            # vLLM verifies every decode row of a speculative engine on the GDN
+            # layers' speculative path, with or without drafts; all of them take
+            # the tree path, whose buffer layout the next step expects (vLLM
+            # CPU's chain path leaves rows with fewer than S drafts misaligned).
+            # Each token row's parent within its request (-1: the root); drafts
+            # that are not a tree of ours are chains.
+            if rnd is None:
+                parent = torch.full((total,), -1, dtype=torch.long, device=self.device)
+            else:
+                parents = F.pad(rnd.parents, (1, 0), value=-1)
+                node = self.query_pos.gpu[:total].long().clamp(max=self.ddtree.budget)
+                parent = parents[self.req_indices.gpu[:total].long(), node]
+            self.ddtree_gdn_step = GDNTreeStep(parent)
         if rnd is not None and rnd.any_tree and self.uses_mrope:
             # Text tokens carry the same position in every M-RoPE row, and a
             # tree node's position is p0 + depth in each of them.
@@ -168,10 +175,11 @@ class DDTreeRunnerMixin:
 
     def _model_forward(self, *args, **kwargs):
         rnd = self.ddtree_round if self.ddtree is not None else None
-        if rnd is None:
+        step = self.ddtree_gdn_step if self.ddtree is not None else None
+        if rnd is None and step is None:
             return super()._model_forward(*args, **kwargs)
-        step = self.ddtree_gdn_step
-        with rnd.capturing(self.drafter.target_attn_layers), tree_step(step):
+        with (rnd.capturing(self.drafter.target_attn_layers) if rnd is not None
+              else nullcontext()), tree_step(step):
             out = super()._model_forward(*args, **kwargs)
         if step is not None:
             missing = sorted(self.ddtree_gdn_layers - step.layers.keys())
@@ -187,6 +195,9 @@ class DDTreeRunnerMixin:
     def _sample(self, logits, spec_decode_metadata):
         rnd = self.ddtree_round if self.ddtree is not None else None
         if rnd is None or spec_decode_metadata is None:
+            # (a step without drafts: its GDN rows were roots, nothing to commit)
+            if self.ddtree is not None:
+                self.ddtree_gdn_step = None
             return super()._sample(logits, spec_decode_metadata)
         md = spec_decode_metadata
         tokens = rnd.verify(logits, md.draft_token_ids, md.num_draft_tokens,

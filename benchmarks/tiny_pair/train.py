@@ -2,6 +2,7 @@
 
     python -m benchmarks.tiny_pair.train --out models            # everything
     python -m benchmarks.tiny_pair.train --stages drafter        # one stage
+    python -m benchmarks.tiny_pair.train --arch qwen3_5          # the hybrid pair
 
 Stages (each caches its result under --work, so a rerun skips what is done):
 
@@ -24,7 +25,8 @@ target (Gated DeltaNet layers ``[linear x3, full]``, GDN head dim 128, partial
 M-RoPE) exported in bf16, because vLLM CPU's GDN kernels take bf16 only, and a
 DFlash drafter for it. Outputs ``<out>/tiny-qwen35``, ``<out>/tiny-qwen35-dflash``
 and ``<out>/training_log_qwen35.json``; its default work folder is
-``runs/tiny_hybrid``.
+``runs/tiny_hybrid``. Each pair's step counts default to the schedule it was
+trained with (``SCHEDULE``, ``HYBRID_SCHEDULE``).
 All randomness is seeded; results are reproducible on the same interpreter,
 torch version and thread count.
 """
@@ -78,6 +80,13 @@ HYBRID_TARGET = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, nu
 # (with 2 KV heads the drafter's layers would be split across groups, which
 # vLLM's DFlash refuses).
 HYBRID_DRAFTER = dict(layers=2, heads=4, kv_heads=1, head_dim=64, inter=768, block_size=16)
+
+
+# Training schedules of the bundled pairs (the CLI's defaults for --arch).
+SCHEDULE = dict(target_steps=1400, target_seq=384, target_batch=12, distill_seqs=8192,
+                drafter_steps=1500)
+HYBRID_SCHEDULE = dict(target_steps=600, target_seq=256, target_batch=8, distill_seqs=2048,
+                       drafter_steps=700)
 
 
 class Arch:
@@ -459,16 +468,16 @@ def main() -> None:
     ap.add_argument("--stages", default="all", help="comma list of tokenizer,target,distill,drafter,export")
     ap.add_argument("--redo", default="", help="comma list of cached stages to recompute")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--target-steps", type=int, default=1400)
-    ap.add_argument("--target-seq", type=int, default=384)
-    ap.add_argument("--target-batch", type=int, default=12)
+    ap.add_argument("--target-steps", type=int, default=None)
+    ap.add_argument("--target-seq", type=int, default=None)
+    ap.add_argument("--target-batch", type=int, default=None)
     ap.add_argument("--target-lr", type=float, default=3e-3)
-    ap.add_argument("--distill-seqs", type=int, default=8192)
+    ap.add_argument("--distill-seqs", type=int, default=None)
     ap.add_argument("--distill-new", type=int, default=96)
     ap.add_argument("--distill-fn-seqs", type=int, default=0,
                     help="extra continuations of function-signature+docstring prompts "
                          "(0 = none, as for the bundled drafter)")
-    ap.add_argument("--drafter-steps", type=int, default=1500)
+    ap.add_argument("--drafter-steps", type=int, default=None)
     ap.add_argument("--drafter-batch", type=int, default=16)
     ap.add_argument("--drafter-anchors", type=int, default=4)
     ap.add_argument("--drafter-lr", type=float, default=2e-3)
@@ -479,6 +488,10 @@ def main() -> None:
     ARCH = Arch(args.arch)
     if args.work is None:
         args.work = "runs/tiny_hybrid" if ARCH.hybrid else "runs/tiny_pair"
+    # Defaults per pair: what the bundled models were trained with.
+    for key, value in (HYBRID_SCHEDULE if ARCH.hybrid else SCHEDULE).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     torch.set_num_threads(args.threads)
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)

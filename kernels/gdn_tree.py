@@ -53,6 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_ddtree.kernels.gdn_tree_reference import silu_flag
+
 __all__ = [
     "INTERPRETED",
     "conv_constexprs",
@@ -232,14 +234,6 @@ def _check_inputs(fn: str, *tensors: torch.Tensor) -> None:
             "TRITON_INTERPRET=1 before vllm_ddtree.kernels.gdn_tree is imported")
 
 
-def _silu_flag(activation) -> bool:
-    if activation is None or activation is False:
-        return False
-    if activation is True or activation in ("silu", "swish"):
-        return True
-    raise ValueError(f"activation: expected None, 'silu' or 'swish', got {activation!r}")
-
-
 def tree_conv_update(
     x: torch.Tensor,
     conv_state: torch.Tensor,
@@ -261,7 +255,7 @@ def tree_conv_update(
     the channel tile (a power of two).
     """
     _check_inputs("tree_conv_update", x, conv_state, weight)
-    silu = _silu_flag(activation)
+    silu = silu_flag(activation)
     num_tokens, dim = x.shape
     width = weight.shape[1]
     if not 2 <= width <= 4:

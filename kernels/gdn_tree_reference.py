@@ -154,7 +154,8 @@ def _is_null(slot: int, null_block_id: int | None) -> bool:
     return slot < 0 or (null_block_id is not None and slot == null_block_id)
 
 
-def _silu_flag(activation) -> bool:
+def silu_flag(activation) -> bool:
+    """Whether ``activation`` (None, True/False, 'silu' or 'swish') is SiLU."""
     if activation is None or activation is False:
         return False
     if activation is True or activation in ("silu", "swish"):
@@ -182,7 +183,7 @@ def tree_conv_update_ref(
 ) -> torch.Tensor:
     """Tree causal conv1d update; returns ``out[T, dim]`` (dtype of ``x``) and
     rewrites ``conv_state`` as described in the module docstring."""
-    silu = _silu_flag(activation)
+    silu = silu_flag(activation)
     num_tokens, dim = x.shape
     width = weight.shape[1]
     state_len = conv_state.shape[2]

@@ -10,10 +10,9 @@ The engine runs (each in its own process):
   same engine, with every walk's accepted path recorded (``tests/path_probe.py``);
 * vLLM's own DFlash chain (15 drafts) and DDTree with chain-shaped trees (the
   drafter's argmax chain, verified through the tree path);
-* DDTree with the adaptive budget under two pinned cost models: mixed
+* DDTree with the adaptive budget under a pinned cost model: mixed
   per-request budgets (zero-draft rows and short trees among full ones), and
-  plain mode with a drafting probe every 32 steps (plain steps after tree
-  steps and back);
+  plain steps after tree steps and back;
 * DDTree and plain sampling at T = 0.8, top-k 5, top-p 0.95, rescored in fp32
   for a randomized-PIT test on tokens past the first two.
 
@@ -135,35 +134,34 @@ def test_chain_shaped_trees_equal_the_dflash_chain(tiny_hybrid, fp32_target, pro
         assert tree_chain["spec"]["accepted"] == chain["spec"]["accepted"]
 
 
-@pytest.mark.parametrize("cost,what", [("10,0.05,1", "mixed budgets"),
-                                       ("1,1,5", "plain mode with probes")])
 def test_adaptive_budget_equals_plain_except_near_ties(tiny_hybrid, fp32_target, prompts,
-                                                       workdir, plain, cost, what):
+                                                       workdir, plain):
+    """A pinned cost model under which budgets differ per request and step
+    (rows with no drafts beside short and long trees) and the policy turns
+    to plain mode: plain steps after tree steps and back."""
     res = _run(tiny_hybrid, prompts, workdir, _ddtree(ddtree_adaptive=True),
-               env={"VLLM_DDTREE_COST_MODEL": cost})
-    dd = res["spec"]["ddtree"]
-    print(f"\n{what}: {dd['budget_decisions']} decisions, {dd['budget_plain_steps']} plain, "
-          f"{res['spec']['draft_tokens']} nodes in {res['spec']['drafts']} drafts")
-    assert res["spec"]["drafts"] > 0
-    if cost.endswith(",5"):
-        assert dd["budget_plain_steps"] > 0
-    else:
-        assert 1 < res["spec"]["draft_tokens"] / res["spec"]["drafts"] < BUDGET - 1
-    _assert_near_ties_only(fp32_target, prompts, plain, res, f"adaptive ({what})", 0.5)
+               env={"VLLM_DDTREE_COST_MODEL": "10,0.05,1"})
+    dd, spec = res["spec"]["ddtree"], res["spec"]
+    print(f"\nadaptive: {dd['budget_decisions']} decisions, {dd['budget_plain_steps']} plain, "
+          f"{spec['draft_tokens']} nodes in {spec['drafts']} drafts")
+    assert spec["drafts"] > 0 and dd["budget_plain_steps"] > 0
+    assert spec["draft_tokens"] / spec["drafts"] < BUDGET - 1
+    _assert_near_ties_only(fp32_target, prompts, plain, res, "adaptive", 0.5)
 
 
 # ---------------------------------------------------------------- sampling
-SAMPLES, SAMPLE_TOKENS, FIRST = 32, 40, 2
+SAMPLES, SAMPLE_TOKENS, FIRST = 16, 40, 2
 TEMPERATURE, TOP_K, TOP_P = 0.8, 5, 0.95
 P_MIN = 1e-3
 MAX_MISS_FRACTION = 0.01  # bf16 vLLM vs fp32 rescoring at the top-k/top-p boundary
+MIN_DEEP_FRACTION = 0.04  # accepted nodes at depth >= 2, per PIT token
 
 
 def _sample(tiny_hybrid, prompts, workdir, spec):
     sampling = {"temperature": TEMPERATURE, "top_k": TOP_K, "top_p": TOP_P,
                 "max_tokens": SAMPLE_TOKENS, "ignore_eos": True, "n": SAMPLES}
     res = _run(tiny_hybrid, prompts[:4], workdir, spec, sampling,
-               llm=dict(LLM, max_num_seqs=128, seed=1234))
+               llm=dict(LLM, max_num_seqs=64, seed=1234))
     return res
 
 
@@ -184,7 +182,8 @@ def test_sampling_is_distribution_identical_to_plain(tiny_hybrid, fp32_target, p
                  f"{res['spec']['accepted_per_pos'][:6]}" if spec else ""))
         if spec:
             deep = sum((res["spec"]["accepted_per_pos"] or [])[1:])
-            assert deep >= 0.08 * scored[name].count, "too few tokens from deep tree nodes"
+            assert deep >= MIN_DEEP_FRACTION * scored[name].count, \
+                f"only {deep} tokens from deep tree nodes"
     for name, s in scored.items():
         assert s.miss_fraction <= MAX_MISS_FRACTION, f"{name}: {s.summary()}"
         assert s.ks_p > P_MIN and s.ks_p_id > P_MIN, f"{name}: {s.summary()}"

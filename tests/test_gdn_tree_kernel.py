@@ -207,6 +207,24 @@ def all_nodes(bt):
     return [(i, j) for i, (s, e) in enumerate(bt.spans()) for j in range(e - s)]
 
 
+def assert_nodes_equal_path_chains(bt, out, o, hs, conv_fn, rec_fn):
+    """Every node's conv output, GDN output and stored state (``out``, ``o``,
+    ``hs`` of a tree step) equal ``conv_fn``/``rec_fn`` run as a chain along
+    the node's root path, bit for bit."""
+    nodes = all_nodes(bt)
+    chain, lens = path_chains(bt, nodes, bt.conv_state, bt.ssm_state)
+    c_out = conv_fn(*chain.conv_args())
+    c_o = rec_fn(*chain.rec_args())
+    ends = (torch.tensor(lens).cumsum(0) - 1).tolist()
+    spans = bt.spans()
+    for c, (i, j) in enumerate(nodes):
+        t = spans[i][0] + j
+        assert torch.equal(out[t], c_out[ends[c]]), (i, j)
+        assert torch.equal(o[t], c_o[ends[c]]), (i, j)
+        assert torch.equal(hs[int(bt.rows[i, j])],
+                           chain.ssm_state[int(chain.rows[c, lens[c] - 1])]), (i, j)
+
+
 def assert_close(got, want, dtype):
     atol, rtol = TOL[dtype]
     assert torch.isfinite(got.float()).all()
@@ -292,18 +310,8 @@ def test_reference_tree_nodes_equal_path_chains(width, seed):
     out = ref.tree_conv_update_ref(*bt.conv_args(cs))
     o = ref.tree_recurrent_update_ref(*bt.rec_args(hs))
 
-    nodes = all_nodes(bt)
-    chain, lens = path_chains(bt, nodes, bt.conv_state, bt.ssm_state)
-    c_out = ref.tree_conv_update_ref(*chain.conv_args())
-    c_o = ref.tree_recurrent_update_ref(*chain.rec_args())
-    ends = torch.tensor(lens).cumsum(0) - 1
-    spans = bt.spans()
-    for c, (i, j) in enumerate(nodes):
-        t = spans[i][0] + j
-        assert torch.equal(out[t], c_out[ends[c]]), (i, j)
-        assert torch.equal(o[t], c_o[ends[c]]), (i, j)
-        assert torch.equal(hs[int(bt.rows[i, j])],
-                           chain.ssm_state[int(chain.rows[c, lens[c] - 1])]), (i, j)
+    assert_nodes_equal_path_chains(bt, out, o, hs, ref.tree_conv_update_ref,
+                                   ref.tree_recurrent_update_ref)
 
 
 def test_reference_validates_trees():
@@ -382,18 +390,8 @@ def test_kernel_tree_nodes_equal_kernel_path_chains():
     cs, hs = bt.conv_state.clone(), bt.ssm_state.clone()
     out = gt.tree_conv_update(*bt.conv_args(cs))
     o = gt.tree_recurrent_update(*bt.rec_args(hs))
-    nodes = all_nodes(bt)
-    chain, lens = path_chains(bt, nodes, bt.conv_state, bt.ssm_state)
-    c_out = gt.tree_conv_update(*chain.conv_args())
-    c_o = gt.tree_recurrent_update(*chain.rec_args())
-    ends = (torch.tensor(lens).cumsum(0) - 1).tolist()
-    spans = bt.spans()
-    for c, (i, j) in enumerate(nodes):
-        t = spans[i][0] + j
-        assert torch.equal(out[t], c_out[ends[c]]), (i, j)
-        assert torch.equal(o[t], c_o[ends[c]]), (i, j)
-        assert torch.equal(hs[int(bt.rows[i, j])],
-                           chain.ssm_state[int(chain.rows[c, lens[c] - 1])]), (i, j)
+    assert_nodes_equal_path_chains(bt, out, o, hs, gt.tree_conv_update,
+                                   gt.tree_recurrent_update)
 
 
 def test_null_slots_are_skipped():

@@ -153,7 +153,11 @@ def test_adaptive_budget_equals_plain_except_near_ties(tiny_hybrid, fp32_target,
 SAMPLES, SAMPLE_TOKENS, FIRST = 16, 40, 2
 TEMPERATURE, TOP_K, TOP_P = 0.8, 5, 0.95
 P_MIN = 1e-3
-MAX_MISS_FRACTION = 0.01  # bf16 vLLM vs fp32 rescoring at the top-k/top-p boundary
+# Tokens outside the fp32-rescored nucleus: bf16 vLLM and the fp32 rescoring
+# break top-k / top-p boundary near-ties differently. Measured 0.78% on the
+# plain arm and 0.49-0.90% on the DDTree arm (2432 tokens each); a wrong tree
+# mask puts several percent outside (tests/test_e2e_sampling.py: 3.7%).
+MAX_MISS_FRACTION = 0.02
 MIN_DEEP_FRACTION = 0.04  # accepted nodes at depth >= 2, per PIT token
 
 

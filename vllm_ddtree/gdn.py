@@ -131,7 +131,7 @@ def cpu_tree_spec_forward(step: GDNTreeStep, layer: Any, md: Any, mixed_qkv: Ten
         nacc = torch.where(wave.from_root, num_acc.index_select(0, wave.seq), wave.length + 1)
         t = wave.tokens
         q_w, k_w, v_w, a_w, b_w = ((query, key, value, a, b) if t is None else
-                                   (x.index_select(0, t) for x in (query, key, value, a, b)))
+                                   (u.index_select(0, t) for u in (query, key, value, a, b)))
         o = ops.fused_sigmoid_gating_delta_rule_update_spec_cpu(
             A_log=layer.A_log, dt_bias=layer.dt_bias,
             q=q_w.contiguous(), k=k_w.contiguous(), v=v_w.contiguous(),

@@ -10,13 +10,19 @@ a fresh process (vLLM engines do not release everything when dropped)::
     {"model": "models/tiny-qwen3",
      "speculative_config": {"method": "ddtree", "model": "...", ...} | null,
      "prompts": "humaneval:32" | ["text", ...] | [[token ids], ...],
-     "sampling": {"temperature": 0, "max_tokens": 128, ...},
+     "sampling": {"temperature": 0, "max_tokens": 128, ...} | [one dict per prompt],
      "llm": {extra vllm.LLM kwargs},
      "env": {extra environment variables},
      "setup": "module:function" called before the engine starts (tests use it,
               with VLLM_ENABLE_V1_MULTIPROCESSING=0, to alter the runner),
      "followup": {"suffix": "text" | [token ids], "sampling": {...}}  (optional),
      "one_at_a_time": true  (optional: then generate each prompt alone as well)}
+
+A sampling dict may hold ``structured_outputs`` (the keyword arguments of
+vLLM's ``StructuredOutputsParams``, e.g. ``{"json": schema}``). When a
+request asks for ``logprobs`` / ``prompt_logprobs``, the result has
+``logprobs`` / ``prompt_logprobs`` per prompt: one ``{token id: logprob}``
+per position (None where the request did not ask).
 
 The result has ``outputs`` (token ids per prompt, a list per completion when
 ``n > 1``), ``seconds`` (generation wall time) and ``spec`` (vLLM's
@@ -105,27 +111,54 @@ def run(job: dict) -> dict:
                   disable_log_stats=False)
     kwargs.update(job.get("llm", {}))
     llm = LLM(model=job["model"], speculative_config=job.get("speculative_config"), **kwargs)
-    params = SamplingParams(**job.get("sampling", {"temperature": 0.0, "max_tokens": 128}))
+    sampling = job.get("sampling", {"temperature": 0.0, "max_tokens": 128})
+    params = ([make_params(d) for d in sampling] if isinstance(sampling, list)
+              else make_params(sampling))
+    first = params[0] if isinstance(params, list) else params
     for _ in range(job.get("warmup", 0)):
-        llm.generate(prompts[:1], params, use_tqdm=False)
+        llm.generate(prompts[:1], first, use_tqdm=False)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
-    n = params.n
+    n = first.n
     outputs = [[list(c.token_ids) for c in o.outputs] if n > 1 else list(o.outputs[0].token_ids)
                for o in outs]
     result = {"outputs": outputs, "seconds": seconds,
               "num_tokens": sum(len(c.token_ids) for o in outs for c in o.outputs),
               "spec": spec_metrics(llm), "preemptions": counter(llm, "num_preemptions")}
+    if any(o.outputs[0].logprobs is not None for o in outs):
+        result["logprobs"] = [_logprob_dicts(o.outputs[0].logprobs) for o in outs]
+    if any(o.prompt_logprobs is not None for o in outs):
+        result["prompt_logprobs"] = [_logprob_dicts(o.prompt_logprobs) for o in outs]
     if job.get("followup") is not None:
-        result["followup"] = run_followup(llm, job["followup"], outs, params)
+        result["followup"] = run_followup(llm, job["followup"], outs, first)
     if job.get("one_at_a_time"):
         # The same engine, each prompt in a batch of its own (after the batched
         # run, so its spec counters above are the batched run's).
+        each = params if isinstance(params, list) else [params] * len(prompts)
         result["single_outputs"] = [
-            list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids)
-            for p in prompts]
+            list(llm.generate([p], q, use_tqdm=False)[0].outputs[0].token_ids)
+            for p, q in zip(prompts, each)]
     return result
+
+
+def make_params(d: dict):
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    d = dict(d)
+    if d.get("logit_bias"):  # JSON keys are strings
+        d["logit_bias"] = {int(k): v for k, v in d["logit_bias"].items()}
+    if d.get("structured_outputs") is not None:
+        d["structured_outputs"] = StructuredOutputsParams(**d["structured_outputs"])
+    return SamplingParams(**d)
+
+
+def _logprob_dicts(positions):
+    if positions is None:
+        return None
+    return [None if pos is None else {str(t): lp.logprob for t, lp in pos.items()}
+            for pos in positions]
 
 
 _FOLLOWUP_COUNTERS = ("prefix_cache_hits", "prefix_cache_queries", "spec_decode_num_drafts",

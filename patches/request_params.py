@@ -1,49 +1,34 @@
-"""Reject, per request, sampling features DDTree does not verify losslessly yet.
+"""Per request: what DDTree serves, and a clear refusal for what it does not.
 
-``SamplingParams._validate_spec_decode`` is where vLLM itself refuses
-sampling parameters that speculative decoding cannot honour (min_p,
-logit_bias). It runs in the front end for every request, so a refusal becomes
-a clear HTTP 400 / ``ValueError`` for that request while the server keeps
-running. With DDTree on we add the parameters whose effect depends on the
-token prefix (penalties, bad words, min_tokens), structured output (grammar
-masks assume a chain), and logprobs (not computed by the tree walk yet).
+``SamplingParams._validate_spec_decode`` is where vLLM refuses sampling
+parameters speculative decoding cannot honour (``min_p``, ``logit_bias``). It
+runs in the front end for every request, so a refusal is an HTTP 400 /
+``ValueError`` for that request while the server keeps running.
+
+DDTree applies every per-request logits transformation at each tree node
+with the node's own history (``vllm_ddtree/node_sampling.py``), so ``min_p``
+and ``logit_bias`` are served, and so are penalties, ``bad_words``,
+``min_tokens``, ``allowed_token_ids``, logprobs and structured output. What
+is still refused is listed in :func:`unsupported_reason`.
 """
 
 from __future__ import annotations
 
 from vllm_ddtree.patches.base import Patch
 
-_EPS = 1e-6
-
 
 def unsupported_reason(params) -> tuple[str, str] | None:
     """``(parameter, reason)`` if DDTree cannot serve these SamplingParams."""
-    if params.structured_outputs is not None:
-        return ("structured_outputs",
-                "structured output (guided decoding / response_format with a schema) is not "
-                "supported with DDTree speculative decoding yet; send the request without it "
-                "or serve with method 'dflash'")
-    for name, neutral in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0),
-                          ("presence_penalty", 0.0)):
-        if abs(getattr(params, name) - neutral) > _EPS:
-            return (name, f"{name} is not supported with DDTree speculative decoding yet "
-                          f"(penalties depend on each tree node's prefix); leave it at {neutral}")
-    if params.bad_words:
-        return ("bad_words", "bad_words is not supported with DDTree speculative decoding yet")
-    if params.min_tokens:
-        return ("min_tokens", "min_tokens is not supported with DDTree speculative decoding yet")
-    if params.allowed_token_ids:
-        return ("allowed_token_ids",
-                "allowed_token_ids is not supported with DDTree speculative decoding yet")
-    if params.logprobs is not None:
-        return ("logprobs", "logprobs of generated tokens are not supported with DDTree "
-                            "speculative decoding yet (prompt_logprobs are)")
+    if params.logprobs is not None and params.logprobs < 0:
+        return ("logprobs", "logprobs=-1 (the whole vocabulary) is not supported with DDTree "
+                            "speculative decoding; ask for a number of top logprobs instead")
     if params.logprob_token_ids:
         return ("logprob_token_ids", "logprob_token_ids of generated tokens are not supported "
-                                     "with DDTree speculative decoding yet")
+                                     "with DDTree speculative decoding; use logprobs, or serve "
+                                     "with method 'dflash'")
     if params.thinking_token_budget is not None:
         return ("thinking_token_budget",
-                "thinking_token_budget is not supported with DDTree speculative decoding yet "
+                "thinking_token_budget is not supported with DDTree speculative decoding "
                 "(vLLM enforces it inside the rejection sampler, which the tree walk replaces); "
                 "send the request without it or serve with method 'dflash'")
     return None
@@ -51,9 +36,9 @@ def unsupported_reason(params) -> tuple[str, str] | None:
 
 def _build(original):
     def _validate_spec_decode(self, speculative_config):
-        original(self, speculative_config)
         if getattr(speculative_config, "ddtree", None) is None:
-            return
+            return original(self, speculative_config)
+        # vLLM's own check refuses min_p and logit_bias, which DDTree serves.
         bad = unsupported_reason(self)
         if bad is not None:
             from vllm.exceptions import VLLMValidationError
@@ -67,7 +52,8 @@ def _build(original):
 PATCH = Patch(
     name="request-params-ddtree",
     target="vllm.sampling_params:SamplingParams._validate_spec_decode",
-    why="Refuse per request the sampling features the tree walk does not honour yet.",
+    why="Serve min_p and logit_bias with DDTree; refuse per request what the walk does not "
+        "honour.",
     upstream="none (vLLM's own spec-decode parameter check)",
     vllm_versions="==0.32.*",
     build=_build,

@@ -5,7 +5,8 @@ Runs in the engine's process, so the job must set
 line to ``$DDTREE_TEST_PATH_LOG``: the number of tree requests, how many of
 them accepted a path that leaves the first branch (some accepted node is not
 its parent's first child, i.e. not the drafter's most probable continuation),
-and the accepted nodes.
+the accepted nodes, and the grammar check's running counts of tree nodes seen
+and dropped (``vllm_ddtree.structured.GrammarTimer``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def off_first_branch(parents: list[int], path: list[int], accepted: int) -> bool
 
 def record_paths() -> None:
     from vllm_ddtree import round as round_mod
+    from vllm_ddtree.structured import GrammarTimer
 
     log = os.environ[ENV_LOG]
     real = round_mod.TreeRound.verify
@@ -39,7 +41,9 @@ def record_paths() -> None:
             off = sum(off_first_branch(parents[r], path[r], acc[r]) for r in self.tree_rows)
             with open(log, "a") as f:
                 f.write(json.dumps({"tree_requests": len(self.tree_rows), "off_branch": off,
-                                    "accepted": sum(acc[r] for r in self.tree_rows)}) + "\n")
+                                    "accepted": sum(acc[r] for r in self.tree_rows),
+                                    "grammar_seen": GrammarTimer.nodes_seen,
+                                    "grammar_pruned": GrammarTimer.nodes_pruned}) + "\n")
         return out
 
     round_mod.TreeRound.verify = verify
@@ -47,13 +51,16 @@ def record_paths() -> None:
 
 def totals(path) -> dict:
     """Sum of the log's lines."""
-    out = {"steps": 0, "tree_requests": 0, "off_branch": 0, "accepted": 0}
+    out = {"steps": 0, "tree_requests": 0, "off_branch": 0, "accepted": 0,
+           "grammar_seen": 0, "grammar_pruned": 0}
     with open(path) as f:
         for line in f:
             d = json.loads(line)
             out["steps"] += 1
             for k in ("tree_requests", "off_branch", "accepted"):
                 out[k] += d[k]
+            for k in ("grammar_seen", "grammar_pruned"):  # running counts
+                out[k] = max(out[k], d.get(k, 0))
     return out
 
 

@@ -102,6 +102,7 @@ class TreeRound:
     tree_rows: tuple[int, ...]  # the same, on the host: the requests with a mask
     logit_rows: Tensor  # [R, 1+B] the logits row of every node (root first)
     logit_starts: list[int]  # each request's first logits row, on the host
+    node_counts: list[int]  # the same as num_nodes, on the host
     expected: Tensor  # [R] float64 Σ q(u) over the scheduled nodes (0: unknown)
     tokens: Tensor | None = None  # [R, B] draft tokens (None: read the scheduled drafts)
     logq: Tensor | None = None  # [R, B] log q of the tree nodes (with_logq)
@@ -173,7 +174,7 @@ class TreeRound:
         rnd = cls(req_ids, budget, depth, num_nodes, _chain(len(req_ids), budget, dev),
                   from_drafter, tree_rows,
                   logit_start[:, None] + torch.minimum(ar1, num_nodes[:, None]), starts,
-                  torch.zeros(len(req_ids), dtype=torch.float64, device=dev))
+                  counts, torch.zeros(len(req_ids), dtype=torch.float64, device=dev))
         if not tree_rows:
             return rnd
         tree = trees.tree
@@ -247,30 +248,42 @@ class TreeRound:
                 "method 'dflash'.")
 
     # ------------------------------------------------------------ 4. verify
+    def node_tokens(self, draft_token_ids: Tensor) -> Tensor:
+        """``[R, B]`` the scheduled nodes' tokens (kept for :meth:`verify`)."""
+        if self.tokens is None:
+            self.tokens = self._scheduled_drafts(draft_token_ids)
+        return self.tokens
+
     def verify(self, logits: Tensor, draft_token_ids: Tensor, num_draft_tokens: Sequence[int],
-               sampling: Any) -> Tensor:
+               sampling: Any, min_p: Tensor | None = None) -> Tensor:
         """The walk over the scheduled nodes. ``logits`` has ``n + 1`` rows per
-        request (its ``n`` scheduled nodes and the root, root first);
-        ``draft_token_ids`` the scheduled drafts back to back; ``sampling``
-        vLLM's per-request sampling metadata (``all_greedy``, ``temperature``,
-        ``top_k``, ``top_p``, ``generators``). Returns ``[R, 1+B]``: the
-        accepted path then the bonus token, -1 padded."""
+        request (its ``n`` scheduled nodes and the root, root first), each
+        already transformed with its node's history where the request asks
+        for it (``vllm_ddtree/node_sampling.py``); ``draft_token_ids`` the
+        scheduled drafts back to back; ``sampling`` vLLM's per-request
+        sampling metadata (``all_greedy``, ``temperature``, ``top_k``,
+        ``top_p``, ``generators``); ``min_p`` ``[R]`` or None. Returns
+        ``[R, 1+B]``: the accepted path then the bonus token, -1 padded."""
         if sampling.all_greedy:
             # What sample_posterior returns for greedy rows, without drawing noise.
             post_flat = logits.float().argmax(-1)
         else:
             post_flat = _sample_nodes(logits, self.num_nodes, self.logit_starts,
-                                      sampling)
+                                      sampling, min_p)
         post = post_flat[self.logit_rows]
-        tokens = self.tokens
-        if tokens is None:
-            tokens = self._scheduled_drafts(draft_token_ids)
+        tokens = self.node_tokens(draft_token_ids)
         res = tree_ops.walk(tokens, self.parents, post, num_nodes=self.num_nodes)
         self.path, self.num_accepted = res.path, res.num_accepted
         if self.any_tree:
             self.src_rows, self.dst_rows = compaction_rows(
                 self.path, self.num_accepted, self.query_start, self.depth)
         return res.output_tokens
+
+    def output_rows(self) -> Tensor:
+        """``[R, 1+B]`` after :meth:`verify`: the logits row each output token
+        was sampled at (the accepted nodes' rows, then the bonus row; rows
+        past the output repeat the root's)."""
+        return self.logit_rows.gather(1, self.path.clamp(min=0))
 
     def _scheduled_drafts(self, draft_token_ids: Tensor) -> Tensor:
         """``[R, B]`` drafts from vLLM's flat list (rows past a request's own
@@ -346,7 +359,7 @@ def _check_scheduled_tokens(scheduled, req_ids, rows, tree_tokens) -> None:
 
 
 def _sample_nodes(logits: Tensor, num_nodes: Tensor, logit_starts: list[int],
-                  sampling: Any) -> Tensor:
+                  sampling: Any, min_p: Tensor | None = None) -> Tensor:
     """One draw per node row from its request's processed distribution."""
     num_reqs, rows = num_nodes.shape[0], logits.shape[0]
     counts = num_nodes + 1
@@ -362,4 +375,5 @@ def _sample_nodes(logits: Tensor, num_nodes: Tensor, logit_starts: list[int],
     for r, gen in sampling.generators.items():  # seeded requests only
         gens.update(dict.fromkeys(range(logit_starts[r], ends[r]), gen))
     return tree_ops.sample_posterior(logits[:, None, :], per_row(temp), per_row(sampling.top_k),
-                                     per_row(sampling.top_p), None, gens or None)[:, 0]
+                                     per_row(sampling.top_p), per_row(min_p),
+                                     gens or None)[:, 0]

@@ -52,9 +52,15 @@ from vllm_ddtree.budget import (AdaptivePolicy, CostModel, PiecewiseLinear, ladd
                                 parse_pinned_cost)
 from vllm_ddtree.config import ddtree_runtime
 from vllm_ddtree.gdn import GDNTreeStep, tree_step
+from vllm_ddtree.node_history import (chain_parents, keep_nodes, node_depths,
+                                      row_index)
+from vllm_ddtree.node_sampling import (NodeRows, logprobs_of_outputs, min_p_per_request,
+                                       needs_processing, process_nodes)
 from vllm_ddtree.proposer import DDTreeProposer
 from vllm_ddtree.round import DDTreeSeamError, ProposedTrees, TreeRound
 from vllm_ddtree.stats import CounterWriter, stats_file
+from vllm_ddtree.structured import DDTreeDraftTokenIds
+from vllm_ddtree.tree import process_logits
 
 logger = init_logger("vllm.ddtree")
 
@@ -94,6 +100,10 @@ class DDTreeRunnerMixin:
         self.ddtree_gdn_step: GDNTreeStep | None = None
         # M-RoPE targets: the depth-position shift applied to every M-RoPE row.
         self.ddtree_mrope_delta: torch.Tensor | None = None
+        # Each request's tree of the last drafts on the host (parents of its
+        # drafts), and this step's scheduled drafts: the node histories.
+        self.ddtree_host_parents: dict[str, list[int]] = {}
+        self.ddtree_scheduled: dict[str, list[int]] = {}
         logger.info("DDTree: tree budget %d%s, drafter depth %d (block size %d)",
                     self.ddtree.budget, " (adaptive: at most)" if self.ddtree.adaptive
                     else " (fixed)", self.ddtree.depth, self.ddtree.block_size)
@@ -133,6 +143,15 @@ class DDTreeRunnerMixin:
             return out
         self._ddtree_flush_stats()
         trees, self.ddtree_trees = self.ddtree_trees, None
+        pruned = getattr(scheduler_output, "ddtree_pruned", None)
+        if pruned and trees is not None:
+            # The grammar check dropped nodes of these trees (patches/structured_output.py).
+            where = {rid: i for i, rid in enumerate(trees.req_ids)}
+            rows = {where[rid]: kp for rid, kp in pruned.items() if rid in where}
+            trees = ProposedTrees(trees.req_ids, keep_nodes(trees.tree, rows))
+            for rid, (_, par) in pruned.items():
+                self.ddtree_host_parents[rid] = list(par)
+        self.ddtree_scheduled = scheduler_output.scheduled_spec_decode_tokens
         total = scheduler_output.total_num_scheduled_tokens
         num_reqs = self.input_batch.num_reqs
         self.ddtree_round = TreeRound.plan(
@@ -200,8 +219,15 @@ class DDTreeRunnerMixin:
                 self.ddtree_gdn_step = None
             return super()._sample(logits, spec_decode_metadata)
         md = spec_decode_metadata
-        tokens = rnd.verify(logits, md.draft_token_ids, md.num_draft_tokens,
-                               self.input_batch.sampling_metadata)
+        sampling = self.input_batch.sampling_metadata
+        num_reqs = len(rnd.req_ids)
+        processed = logits
+        if needs_processing(sampling):
+            processed = process_nodes(logits.to(torch.float32, copy=True), sampling,
+                                      self._ddtree_node_rows(rnd, md.draft_token_ids))
+        min_p = min_p_per_request(sampling, num_reqs)
+        tokens = rnd.verify(processed, md.draft_token_ids, md.num_draft_tokens, sampling,
+                            min_p)
         rnd.compact(self.input_batch.block_table[self.ddtree_kv_group].slot_mapping.gpu)
         step, self.ddtree_gdn_step = self.ddtree_gdn_step, None
         if step is not None:
@@ -213,8 +239,54 @@ class DDTreeRunnerMixin:
         if self.ddtree_stats is not None:
             counts = rnd.counts()
             self.ddtree_unrecorded = None if counts is None else counts.totals()
-        out = tokens[:, : md.max_spec_len + 1].to(torch.int32)
-        return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
+        out = tokens[:, : md.max_spec_len + 1]
+        logprobs = None
+        if sampling.max_num_logprobs is not None:
+            logprobs = self._ddtree_logprobs(rnd, logits, processed, out, sampling, min_p)
+        return SamplerOutput(sampled_token_ids=out.to(torch.int32), logprobs_tensors=logprobs)
+
+    def _ddtree_node_rows(self, rnd, draft_token_ids) -> NodeRows:
+        """The step's logits rows with each node's tree (host and device)."""
+        parents, tokens = [], []
+        from_drafter = set(rnd.tree_rows)
+        for r, (rid, n) in enumerate(zip(rnd.req_ids, rnd.node_counts)):
+            tokens.append(list(self.ddtree_scheduled.get(rid, ()))[:n])
+            if r not in from_drafter:
+                parents.append(chain_parents(n))
+                continue
+            par = self.ddtree_host_parents.get(rid)
+            if par is None or len(par) < n:
+                raise DDTreeSeamError(f"DDTree: no tree on the host for the {n} scheduled "
+                                      f"drafts of request {rid}")
+            parents.append(list(par[:n]))
+        req_of_row, node_of_row = row_index(rnd.node_counts, self.device)
+        max_depth = max(max(node_depths(p)) for p in parents)
+        return NodeRows(rnd.node_counts, rnd.logit_starts, req_of_row, node_of_row, parents,
+                        tokens, rnd.node_tokens(draft_token_ids), rnd.parents, max_depth)
+
+    def _ddtree_logprobs(self, rnd, raw, processed, out, sampling, min_p):
+        """Logprobs of every output token, from the row it was sampled at,
+        as vLLM's ``logprobs_mode`` asks (raw: the target's logits; processed:
+        after the request's transformations, temperature, min-p, top-k and
+        top-p, as vLLM's sampler reports them)."""
+        rows = rnd.output_rows()[:, : out.shape[1]]
+        mode = self.model_config.logprobs_mode
+        if mode.startswith("raw"):
+            source = raw
+        else:
+            source = processed.index_select(0, rows.reshape(-1)).float()
+            rows = torch.arange(source.shape[0], device=source.device).view_as(rows)
+            if not sampling.all_greedy:
+                num_reqs, width = out.shape
+                per = torch.arange(num_reqs, device=source.device).repeat_interleave(width)
+
+                def sel(t):
+                    return None if t is None else t[:num_reqs][per]
+                source = process_logits(source[:, None, :], sel(sampling.temperature),
+                                        sel(sampling.top_k), sel(sampling.top_p),
+                                        sel(min_p))[:, 0]
+        return logprobs_of_outputs(source, rows, out, sampling.max_num_logprobs,
+                                   as_logits=mode.endswith("logits"))
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
                                 hidden_states, sample_hidden_states, aux_hidden_states,
@@ -295,13 +367,17 @@ class DDTreeRunnerMixin:
         if self.ddtree is None:
             return out
         budgets, self.ddtree_budgets = self.ddtree_budgets, None
-        if out is None or budgets is None:
+        if out is None:
+            return out
+        out = self._ddtree_with_parents(out)
+        if budgets is None:
             return out
         # The adaptive policy's choice: each request verifies its first
         # budget nodes (a valid tree: flat order puts parents first).
         cut = budgets.tolist()
         for i, drafts in enumerate(out.draft_token_ids):
             del drafts[cut[i] if i < len(cut) else 0:]
+            del out.parents[i][cut[i] if i < len(cut) else 0:]
         total = sum(cut)
         policy = self.ddtree_policy
         policy.decided(total)
@@ -314,6 +390,21 @@ class DDTreeRunnerMixin:
             self.ddtree_stats.add_choice(total, policy.calibration.table,
                                          (plain, tree, draft, per_node))
         return out
+
+    def _ddtree_with_parents(self, out) -> DDTreeDraftTokenIds:
+        """The drafts with each request's tree, for the scheduler's grammar
+        check and the next step's node histories (host copies of the
+        drafter's parents, read after vLLM read the drafts)."""
+        trees = self.ddtree_trees
+        where = {} if trees is None else {rid: i for i, rid in enumerate(trees.req_ids)}
+        host = trees.tree.parents.tolist() if trees is not None else []
+        parents = []
+        for rid, drafts in zip(out.req_ids, out.draft_token_ids):
+            i = where.get(rid)
+            parents.append(host[i][: len(drafts)] if i is not None
+                           else chain_parents(len(drafts)))
+        self.ddtree_host_parents = dict(zip(out.req_ids, parents))
+        return DDTreeDraftTokenIds(out.req_ids, out.draft_token_ids, parents)
 
     # ------------------------------------------------------------------ adaptive budget
     def _ddtree_start_policy(self) -> None:

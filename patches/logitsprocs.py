@@ -1,0 +1,42 @@
+"""Build all of vLLM's built-in logits processors when DDTree is on.
+
+vLLM 0.32's ``build_logitsprocs`` builds only ``min_tokens`` when any
+speculative config is present, and ``SamplingParams._validate_spec_decode``
+refuses ``min_p`` and ``logit_bias``. DDTree applies both at every tree node
+(``vllm_ddtree/node_sampling.py``) and needs the processors' per-request state
+for that; plain steps of a DDTree engine then apply them through vLLM's own
+sampler. Custom logits processors stay refused, as vLLM refuses them for
+every speculative method.
+"""
+
+from __future__ import annotations
+
+from vllm_ddtree.patches.base import Patch
+
+
+def _build(original):
+    def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model,
+                          custom_logitsprocs=()):
+        spec = getattr(vllm_config, "speculative_config", None)
+        if (getattr(spec, "ddtree", None) is None or is_pooling_model
+                or custom_logitsprocs):
+            return original(vllm_config, device, is_pin_memory, is_pooling_model,
+                            custom_logitsprocs)
+        from vllm.v1.sample.logits_processor import (BUILTIN_LOGITS_PROCESSORS,
+                                                     LogitsProcessors)
+
+        return LogitsProcessors(cls(vllm_config, device, is_pin_memory)
+                                for cls in BUILTIN_LOGITS_PROCESSORS)
+
+    build_logitsprocs.__wrapped__ = original
+    return build_logitsprocs
+
+
+PATCH = Patch(
+    name="builtin-logitsprocs-ddtree",
+    target="vllm.v1.worker.gpu_model_runner:build_logitsprocs",
+    why="Keep min_p and logit_bias with DDTree, which applies them per tree node.",
+    upstream="none (vLLM drops them for every speculative method)",
+    vllm_versions="==0.32.*",
+    build=_build,
+)

@@ -1,0 +1,159 @@
+"""OpenAI API parity, end to end: per-request logits transformations, logprobs
+and structured output through DDTree equal plain decoding.
+
+One plain engine and one DDTree engine (B = 16, fp32, the bundled pair) run
+the same batch: two HumanEval prompts, each with every feature below (one
+request per prompt and feature). Each node of a tree must be verified with
+the distribution plain decoding would use after the node's path, so any
+history-dependent feature applied with the wrong history (the root's, the
+parent's, a sibling's) changes a greedy token somewhere in 48 tokens.
+
+For every feature:
+- DDTree's tokens equal plain decoding's;
+- the feature bites: in plain decoding, the output differs from the same
+  prompt without it (so an ignored parameter cannot pass);
+- logprobs of the generated tokens (top 3) and prompt logprobs agree with
+  plain decoding's within 1e-4, with the same top tokens;
+- structured outputs parse / match, and the grammar check dropped tree nodes.
+
+The DDTree engine records its walks (``tests/path_probe.py``): accepted paths
+off the first branch must occur, so the histories of non-first children are
+exercised.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests.conftest import run_job
+from tests.path_probe import ENV_LOG, totals
+
+NEWLINE, EQUALS = 202, 282
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "count": {"type": "integer", "minimum": 0, "maximum": 999},
+                         "ok": {"type": "boolean"}},
+          "required": ["name", "count", "ok"], "additionalProperties": False}
+REGEX = r"def [a-z_]{1,16}\(x\):\n    return x [+*] [0-9]{1,3}\n"
+CHOICES = ["def foo():", "class Bar:", "import os", "return None"]
+BASE = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
+FEATURES = {
+    "base": {},
+    "repetition_penalty": {"repetition_penalty": 1.4},
+    "frequency_presence": {"frequency_penalty": 0.8, "presence_penalty": 0.6},
+    "min_tokens": {"min_tokens": 24, "stop_token_ids": [NEWLINE], "ignore_eos": False},
+    "bad_words": {"bad_words": [" number of", "\n#", " ="]},
+    "logit_bias": {"logit_bias": {NEWLINE: -4.0, EQUALS: 2.5}},
+    "allowed_token_ids": {"allowed_token_ids": list(range(3, 1500))},
+    "logprobs": {"logprobs": 3, "prompt_logprobs": 2},
+    "json_schema": {"structured_outputs": {"json": SCHEMA},
+                    "max_tokens": 40, "ignore_eos": False},
+    "regex": {"structured_outputs": {"regex": REGEX}, "ignore_eos": False},
+    "choice": {"structured_outputs": {"choice": CHOICES}, "ignore_eos": False},
+}
+NAMES = list(FEATURES)
+NUM_PROMPTS = 2
+
+
+def _job(tiny_pair, speculative=None, **extra):
+    from benchmarks.run_llm import humaneval_prompts
+
+    target, _ = tiny_pair
+    prompts = [p for p in humaneval_prompts(NUM_PROMPTS) for _ in NAMES]
+    sampling = [dict(BASE, **FEATURES[n]) for _ in range(NUM_PROMPTS) for n in NAMES]
+    # Compact JSON (xgrammar's whitespace is an engine setting).
+    job = {"model": target, "prompts": prompts, "sampling": sampling,
+           "speculative_config": speculative,
+           "llm": {"structured_outputs_config": {"backend": "xgrammar",
+                                                 "disable_any_whitespace": True}}}
+    job.update(extra)
+    return job
+
+
+def _outputs(result, name):
+    i = NAMES.index(name)
+    return [result["outputs"][p * len(NAMES) + i] for p in range(NUM_PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_pair, tmp_path_factory):
+    return run_job(_job(tiny_pair), tmp_path_factory.mktemp("api_plain"))
+
+
+@pytest.fixture(scope="module")
+def ddtree(tiny_pair, tmp_path_factory):
+    work = tmp_path_factory.mktemp("api_ddtree")
+    log = work / "paths.jsonl"
+    _, drafter = tiny_pair
+    spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": 16,
+            "ddtree_adaptive": False}
+    res = run_job(_job(tiny_pair, spec, setup="tests.path_probe:record_paths",
+                       env=dict(IN_PROCESS, **{ENV_LOG: str(log)})), work)
+    res["paths"] = totals(log)
+    return res
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_equals_plain(plain, ddtree, name):
+    got, want = _outputs(ddtree, name), _outputs(plain, name)
+    for p, (a, b) in enumerate(zip(got, want)):
+        first = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert a == b, f"{name}, prompt {p}: DDTree diverges from plain decoding at token {first}"
+    if name not in ("base", "logprobs"):
+        base = _outputs(plain, "base")
+        assert any(o != b for o, b in zip(want, base)), \
+            f"{name} does not change plain decoding's output: the check has no power"
+
+
+def test_trees_branch_and_grammar_prunes(ddtree):
+    paths = ddtree["paths"]
+    assert paths["tree_requests"] > 50
+    assert paths["off_branch"] > 0, paths
+    assert paths["grammar_seen"] > 0 and paths["grammar_pruned"] > 0, paths
+    assert ddtree["spec"]["tau"] > 1.5
+
+
+def test_features_hold(plain, ddtree, tiny_pair):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_pair[0])
+    for out in _outputs(ddtree, "min_tokens"):
+        assert len(out) >= 24 and NEWLINE not in out[:24]
+    for out in _outputs(ddtree, "allowed_token_ids"):
+        assert all(3 <= t < 1500 for t in out)
+    for out in _outputs(ddtree, "bad_words"):
+        text = tok.decode(out)
+        assert EQUALS not in out and " number of" not in text and "\n#" not in text
+    for out in _outputs(ddtree, "json_schema"):
+        obj = json.loads(tok.decode(out, skip_special_tokens=True))
+        assert set(obj) == {"name", "count", "ok"} and isinstance(obj["count"], int)
+    for out in _outputs(ddtree, "regex"):
+        assert re.fullmatch(REGEX, tok.decode(out, skip_special_tokens=True))
+    for out in _outputs(ddtree, "choice"):
+        assert tok.decode(out, skip_special_tokens=True) in CHOICES
+
+
+def _close(a, b, what):
+    assert a is not None and b is not None and len(a) == len(b), what
+    for k, (x, y) in enumerate(zip(a, b)):
+        if x is None or y is None:
+            assert x is None and y is None, f"{what} position {k}"
+            continue
+        assert set(x) == set(y), f"{what} position {k}: top tokens {sorted(x)} vs {sorted(y)}"
+        for t in x:
+            assert abs(x[t] - y[t]) < 1e-4, f"{what} position {k} token {t}: {x[t]} vs {y[t]}"
+
+
+def test_logprobs_equal_plain(plain, ddtree):
+    i = NAMES.index("logprobs")
+    for p in range(NUM_PROMPTS):
+        row = p * len(NAMES) + i
+        got, want = ddtree["logprobs"][row], plain["logprobs"][row]
+        assert len(got) == 48 and all(len(pos) >= 3 for pos in got)
+        _close(got, want, f"prompt {p} logprobs")
+        _close(ddtree["prompt_logprobs"][row], plain["prompt_logprobs"][row],
+               f"prompt {p} prompt_logprobs")

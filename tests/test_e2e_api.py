@@ -44,7 +44,7 @@ BASE = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
 FEATURES = {
     "base": {},
     "repetition_penalty": {"repetition_penalty": 1.4},
-    "frequency_presence": {"frequency_penalty": 0.8, "presence_penalty": 0.6},
+    "frequency_presence": {"frequency_penalty": 1.2, "presence_penalty": 1.0},
     "min_tokens": {"min_tokens": 24, "stop_token_ids": [NEWLINE], "ignore_eos": False},
     "bad_words": {"bad_words": [" number of", "\n#", " ="]},
     "logit_bias": {"logit_bias": {NEWLINE: -4.0, EQUALS: 2.5}},
@@ -56,7 +56,7 @@ FEATURES = {
     "choice": {"structured_outputs": {"choice": CHOICES}, "ignore_eos": False},
 }
 NAMES = list(FEATURES)
-NUM_PROMPTS = 2
+NUM_PROMPTS = 3
 
 
 def _job(tiny_pair, speculative=None, **extra):

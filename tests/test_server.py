@@ -2,8 +2,9 @@
 
 Starts the `vllm` console script of the venv on a free loopback port (this
 also checks the setup's CLI metadata fix), compiled as `make serve` runs it
-(not eager), then exercises completions, chat,
-streaming, per-request refusals, concurrency and /metrics.
+(not eager), then exercises completions, chat, streaming, logprobs (with
+echo), penalties and min_tokens, response_format, forced tool calls,
+per-request refusals, concurrency and /metrics.
 """
 
 from __future__ import annotations
@@ -84,7 +85,11 @@ def server(tiny_pair, tmp_path_factory):
     target, drafter = tiny_pair
     log = tmp_path_factory.mktemp("server") / "server.log"
     spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": BUDGET}
-    with serving(target, "tiny-qwen3", spec, log, "--dtype", "float32") as base:
+    # Compact JSON for structured output (the tiny model loops on whitespace).
+    with serving(target, "tiny-qwen3", spec, log, "--dtype", "float32",
+                 "--structured-outputs-config",
+                 '{"backend": "xgrammar", "disable_any_whitespace": true}',
+                 "--enable-auto-tool-choice", "--tool-call-parser", "pythonic") as base:
         yield base
 
 
@@ -125,19 +130,83 @@ def test_streaming_equals_non_streaming(server):
     assert "".join(chunks) == full
 
 
-@pytest.mark.parametrize("extra,field", [({"repetition_penalty": 1.3}, "repetition_penalty"),
-                                         ({"response_format": {"type": "json_object"}},
-                                          "structured")])
-def test_unsupported_request_is_refused_and_server_survives(server, extra, field):
-    if "response_format" in extra:
-        body = {"model": "tiny-qwen3", "max_tokens": 8, **extra,
-                "messages": [{"role": "user", "content": "x"}]}
-        r = requests.post(f"{server}/v1/chat/completions", json=body, timeout=300)
-    else:
-        r = _complete(server, "x = ", **extra)
+def test_unsupported_request_is_refused_and_server_survives(server):
+    body = {"model": "tiny-qwen3", "max_tokens": 8, "logprobs": True,
+            "logprob_token_ids": [1, 2], "messages": [{"role": "user", "content": "x"}]}
+    r = requests.post(f"{server}/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == 400, r.text
-    assert field in r.text
+    assert "logprob_token_ids" in r.text and "DDTree" in r.text
     assert _complete(server, "x = ").status_code == 200
+
+
+def test_completion_logprobs_with_echo(server):
+    prompt = "def add(a, b):\n"
+    r = _complete(server, prompt, logprobs=2, echo=True, max_tokens=16)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    n_prompt = r.json()["usage"]["prompt_tokens"]
+    assert len(lp["tokens"]) == n_prompt + 16
+    assert lp["token_logprobs"][0] is None  # the first prompt token has no logprob
+    generated = list(zip(lp["token_logprobs"][n_prompt:], lp["top_logprobs"][n_prompt:]))
+    for token_lp, top in generated:
+        assert 2 <= len(top) <= 3 and token_lp <= 0
+        # greedy: the generated token is the most probable one
+        assert abs(token_lp - max(top.values())) < 1e-5
+
+
+def test_chat_logprobs(server):
+    body = {"model": "tiny-qwen3", "max_tokens": 12, "temperature": 0.0, "logprobs": True,
+            "top_logprobs": 3, "messages": [{"role": "user", "content": "def quicksort(items):"}]}
+    r = requests.post(f"{server}/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == r.json()["usage"]["completion_tokens"] > 0
+    assert all(len(c["top_logprobs"]) == 3 and c["logprob"] <= 0 for c in content)
+
+
+def test_penalty_and_min_tokens(server):
+    r = _complete(server, "def fibonacci(n):\n", presence_penalty=0.5, frequency_penalty=0.3,
+                  repetition_penalty=1.2, min_tokens=20, stop_token_ids=[NEWLINE],
+                  ignore_eos=False)
+    assert r.status_code == 200, r.text
+    # The tiny model's first token here is a newline, which would stop it at once.
+    assert r.json()["usage"]["completion_tokens"] >= 20
+
+
+NEWLINE = 202  # the bundled tokenizer's "\n"
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "size": {"type": "integer", "minimum": 0,
+                                                    "maximum": 9999}},
+          "required": ["name", "size"], "additionalProperties": False}
+
+
+def test_response_format_json_schema(server):
+    body = {"model": "tiny-qwen3", "max_tokens": 40, "temperature": 0.0,
+            "messages": [{"role": "user", "content": "Describe a file as JSON."}],
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "file", "schema": SCHEMA}}}
+    r = requests.post(f"{server}/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    obj = json.loads(r.json()["choices"][0]["message"]["content"])
+    assert set(obj) == {"name", "size"} and isinstance(obj["size"], int)
+
+
+TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+def test_forced_tool_call(server):
+    body = {"model": "tiny-qwen3", "max_tokens": 128, "temperature": 0.0, "tools": [TOOL],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "messages": [{"role": "user", "content": "What is the weather in Paris?"}]}
+    r = requests.post(f"{server}/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    calls = r.json()["choices"][0]["message"].get("tool_calls")
+    assert calls, r.json()["choices"][0]
+    assert len(calls) >= 1 and calls[0]["function"]["name"] == "get_weather"
+    assert isinstance(json.loads(calls[0]["function"]["arguments"])["city"], str)
 
 
 def test_concurrent_greedy_equals_plain(server, tiny_pair, tmp_path):

@@ -123,7 +123,8 @@ def run(job: dict) -> dict:
     n = first.n
     outputs = [[list(c.token_ids) for c in o.outputs] if n > 1 else list(o.outputs[0].token_ids)
                for o in outs]
-    result = {"outputs": outputs, "seconds": seconds,
+    result = {"outputs": outputs, "prompt_ids": [list(o.prompt_token_ids) for o in outs],
+              "seconds": seconds,
               "num_tokens": sum(len(c.token_ids) for o in outs for c in o.outputs),
               "spec": spec_metrics(llm), "preemptions": counter(llm, "num_preemptions")}
     if any(o.outputs[0].logprobs is not None for o in outs):

@@ -157,3 +157,138 @@ def test_logprobs_equal_plain(plain, ddtree):
         _close(got, want, f"prompt {p} logprobs")
         _close(ddtree["prompt_logprobs"][row], plain["prompt_logprobs"][row],
                f"prompt {p} prompt_logprobs")
+
+
+# --------------------------------------------------------------------------
+# Sampling: distribution-identical to plain sampling, past the first two tokens
+# --------------------------------------------------------------------------
+# The same PIT test as tests/test_e2e_sampling.py (see tests/pit.py), with the
+# distributions rescored under the request's own transformation at every
+# position: the penalties with the sequence's own history, and the grammar's
+# mask after the sequence's own prefix (vLLM's xgrammar backend, so the mask
+# is the one plain decoding uses).
+SAMPLE_PROMPTS, SAMPLES, SAMPLE_TOKENS, FIRST = 4, 16, 32, 2
+P_MIN = 1e-3
+PENALTIES = {"repetition_penalty": 1.3, "frequency_penalty": 0.4, "presence_penalty": 0.3}
+ARMS = {
+    "penalties": dict(PENALTIES, temperature=0.9, top_p=0.95, max_tokens=SAMPLE_TOKENS,
+                      ignore_eos=True),
+    "grammar": {"temperature": 1.0, "max_tokens": SAMPLE_TOKENS,
+                "structured_outputs": {"json": SCHEMA}},
+}
+
+
+@pytest.fixture(scope="module")
+def sampled(tiny_pair, tmp_path_factory):
+    from benchmarks.run_llm import humaneval_prompts
+
+    target, drafter = tiny_pair
+    work = tmp_path_factory.mktemp("api_sampling")
+    log = work / "paths.jsonl"
+    prompts = [p for p in humaneval_prompts(SAMPLE_PROMPTS) for _ in ARMS]
+    sampling = [dict(ARMS[a], n=SAMPLES) for _ in range(SAMPLE_PROMPTS) for a in ARMS]
+    spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": 16,
+            "ddtree_adaptive": False}
+    res = run_job({"model": target, "prompts": prompts, "sampling": sampling,
+                   "speculative_config": spec, "setup": "tests.path_probe:record_paths",
+                   "env": dict(IN_PROCESS, **{ENV_LOG: str(log)}),
+                   "llm": {"structured_outputs_config": {"backend": "xgrammar",
+                                                         "disable_any_whitespace": True}}},
+                  work)
+    res["paths"] = totals(log)
+    return res
+
+
+def _grammar_factory(target):
+    """Plain decoding's grammar for SCHEMA, from vLLM's xgrammar backend."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, AutoTokenizer
+    from vllm.v1.structured_output.backend_types import StructuredOutputOptions
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+
+    tok = AutoTokenizer.from_pretrained(target)
+    vocab = AutoConfig.from_pretrained(target).vocab_size
+    config = SimpleNamespace(model_config=None, speculative_config=None,
+                             structured_outputs_config=SimpleNamespace(
+                                 disable_any_whitespace=True))
+    backend = XgrammarBackend(config, tokenizer=tok, vocab_size=vocab)
+
+    def make():
+        return backend.compile_grammar(StructuredOutputOptions.JSON, json.dumps(SCHEMA),
+                                       stop_token_ids={tok.eos_token_id})
+    return make, backend
+
+
+def _penalize(row, prompt, history):
+    """Repetition, frequency and presence penalties, as OpenAI and vLLM define them."""
+    import torch
+
+    x = row.clone()
+    counts = torch.bincount(torch.tensor(history, dtype=torch.long), minlength=x.shape[0]) \
+        if history else torch.zeros(x.shape[0], dtype=torch.long)
+    seen = counts > 0
+    seen[torch.tensor(prompt, dtype=torch.long)] = True
+    rep = PENALTIES["repetition_penalty"]
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - PENALTIES["frequency_penalty"] * counts - PENALTIES["presence_penalty"] * (counts > 0)
+    return x
+
+
+def _rescore_arm(tiny_pair, res, arm):
+    import numpy as np
+    import torch
+    import xgrammar as xgr
+    from tests.pit import Rescored, load_target, randomized_pit, vllm_processed_probs
+
+    target = tiny_pair[0]
+    model = load_target(target)
+    make_grammar, backend = _grammar_factory(target) if arm == "grammar" else (None, None)
+    params = ARMS[arm]
+    rng = np.random.default_rng(7)
+    u_rank, u_id, ps = [], [], []
+    k_arm = list(ARMS).index(arm)
+    for i in range(SAMPLE_PROMPTS):
+        prompt = res["prompt_ids"][i * len(ARMS) + k_arm]
+        for comp in res["outputs"][i * len(ARMS) + k_arm]:
+            if len(comp) <= FIRST:
+                continue
+            ids = torch.tensor([prompt + comp])
+            with torch.inference_mode():
+                logits = model(input_ids=ids[:, :-1]).logits[0].float()
+            grammar = make_grammar() if make_grammar else None
+            mask = backend.allocate_token_bitmask(1) if backend else None
+            rows = []
+            for k in range(len(comp)):
+                row = logits[len(prompt) + k - 1]
+                if grammar is not None:
+                    if not grammar.is_terminated():
+                        grammar.fill_bitmask(mask, 0)
+                        row = row.clone()[None]
+                        xgr.apply_token_bitmask_inplace(row, mask)
+                        row = row[0]
+                    assert grammar.accept_tokens("rescore", [comp[k]])
+                else:
+                    row = _penalize(row, prompt, comp[:k])
+                if k >= FIRST:
+                    rows.append(row)
+            x = torch.stack(rows)
+            probs = vllm_processed_probs(x, params["temperature"], None,
+                                         params.get("top_p")).numpy()
+            toks = np.array(comp[FIRST:])
+            v = rng.random(len(toks))
+            u_rank.append(randomized_pit(probs, toks, v, "rank"))
+            u_id.append(randomized_pit(probs, toks, v, "id"))
+            ps.append(probs[np.arange(len(toks)), toks])
+    return Rescored(np.concatenate(u_rank), np.concatenate(u_id), np.concatenate(ps))
+
+
+@pytest.mark.parametrize("arm", list(ARMS))
+def test_sampling_matches_plain_distribution(tiny_pair, sampled, arm):
+    paths = sampled["paths"]
+    assert paths["off_branch"] > 0 and paths["grammar_pruned"] > 0, paths
+    scored = _rescore_arm(tiny_pair, sampled, arm)
+    assert scored.count > SAMPLE_PROMPTS * SAMPLES * 10
+    assert scored.nucleus_misses == 0, scored.summary()
+    assert scored.ks_p > P_MIN, f"{arm}: DDTree samples are not plain samples: {scored.summary()}"
+    assert scored.ks_p_id > P_MIN, f"{arm}: {scored.summary()}"

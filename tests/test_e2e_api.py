@@ -167,9 +167,9 @@ def test_logprobs_equal_plain(plain, ddtree):
 # position: the penalties with the sequence's own history, and the grammar's
 # mask after the sequence's own prefix (vLLM's xgrammar backend, so the mask
 # is the one plain decoding uses).
-SAMPLE_PROMPTS, SAMPLES, SAMPLE_TOKENS, FIRST = 4, 16, 32, 2
+SAMPLE_PROMPTS, SAMPLES, SAMPLE_TOKENS, FIRST = 4, 24, 32, 2
 P_MIN = 1e-3
-PENALTIES = {"repetition_penalty": 1.3, "frequency_penalty": 0.4, "presence_penalty": 0.3}
+PENALTIES = {"repetition_penalty": 2.0, "frequency_penalty": 1.0, "presence_penalty": 1.0}
 ARMS = {
     "penalties": dict(PENALTIES, temperature=0.9, top_p=0.95, max_tokens=SAMPLE_TOKENS,
                       ignore_eos=True),

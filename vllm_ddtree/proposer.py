@@ -55,6 +55,7 @@ class DDTreeProposer(DFlashProposer):
         self.ddtree = runtime
         self.target_attn_layers: frozenset[str] = frozenset()
         self._draft_logits: torch.Tensor | None = None
+        self._draft_banned: torch.Tensor | None = None  # [R, V] tokens no request may get
         self._tree: DraftTree | None = None
         # Set by the runner for one propose(): store context K/V only.
         self.skip_block = False
@@ -77,6 +78,9 @@ class DDTreeProposer(DFlashProposer):
         # the per-position argmax, so the base class gets placeholder ids.
         logits = self.model.compute_logits(hidden_states)
         self._draft_logits = logits
+        # Requests restricted to allowed_token_ids: tokens outside the set can
+        # never be accepted, so they get no tree nodes (see propose).
+        self._draft_banned = getattr(sampling_metadata, "allowed_token_ids_mask", None)
         return torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device), None
 
     def propose(self, num_speculative_tokens, *args, **kwargs) -> torch.Tensor:
@@ -93,6 +97,11 @@ class DDTreeProposer(DFlashProposer):
         # The scheduler's num_spec_tokens_to_schedule; 0 means "not set".
         budget = int(num_speculative_tokens) or self.ddtree.budget
         logits = logits.view(batch, depth, -1)
+        banned, self._draft_banned = self._draft_banned, None
+        if banned is not None and banned.shape[-1] == logits.shape[-1]:
+            # The walk is lossless whatever the tree; this only keeps the
+            # budget for nodes the target can accept.
+            logits = logits.masked_fill(banned[:batch, None, :], float("-inf"))
         native = cpu_native.load() if logits.device.type == "cpu" else None
         if native is not None:
             lp = torch.log_softmax(logits.float(), dim=-1)

@@ -16,13 +16,24 @@ a fresh process (vLLM engines do not release everything when dropped)::
      "setup": "module:function" called before the engine starts (tests use it,
               with VLLM_ENABLE_V1_MULTIPROCESSING=0, to alter the runner),
      "followup": {"suffix": "text" | [token ids], "sampling": {...}}  (optional),
-     "one_at_a_time": true  (optional: then generate each prompt alone as well)}
+     "one_at_a_time": true  (optional: then generate each prompt alone as well),
+     "workloads": {"name": sampling, ...}, "rounds": 2  (optional, see below)}
+
+``workloads`` (benchmarks) runs, after the main generation, each named
+sampling setting over the same prompts, round-robin for ``rounds`` rounds, so
+their ratios come from one engine with the workloads interleaved. Per
+workload the result has ``seconds`` (one per round), ``num_tokens`` (per
+round), ``tau`` (from the spec-decode counters' growth over its runs), the
+first round's ``outputs`` and, in an in-process engine with DDTree, the
+grammar work (``grammar``: host seconds spent dropping and masking tree
+nodes, nodes seen and dropped; ``vllm_ddtree.structured.GrammarTimer``).
 
 A sampling dict may hold ``structured_outputs`` (the keyword arguments of
 vLLM's ``StructuredOutputsParams``, e.g. ``{"json": schema}``). When a
 request asks for ``logprobs`` / ``prompt_logprobs``, the result has
-``logprobs`` / ``prompt_logprobs`` per prompt: one ``{token id: logprob}``
-per position (None where the request did not ask).
+``logprobs`` / ``prompt_logprobs`` per prompt (``logprobs``: a list per
+completion when ``n > 1``): one ``{token id: logprob}`` per position (None
+where the request did not ask).
 
 The result has ``outputs`` (token ids per prompt, a list per completion when
 ``n > 1``), ``seconds`` (generation wall time) and ``spec`` (vLLM's
@@ -102,7 +113,7 @@ def counter(llm, name: str) -> float:
 
 
 def run(job: dict) -> dict:
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.inputs import TokensPrompt
 
     prompts = resolve_prompts(job["prompts"])
@@ -128,11 +139,15 @@ def run(job: dict) -> dict:
               "num_tokens": sum(len(c.token_ids) for o in outs for c in o.outputs),
               "spec": spec_metrics(llm), "preemptions": counter(llm, "num_preemptions")}
     if any(o.outputs[0].logprobs is not None for o in outs):
-        result["logprobs"] = [_logprob_dicts(o.outputs[0].logprobs) for o in outs]
+        result["logprobs"] = [[_logprob_dicts(c.logprobs) for c in o.outputs] if n > 1
+                              else _logprob_dicts(o.outputs[0].logprobs) for o in outs]
     if any(o.prompt_logprobs is not None for o in outs):
         result["prompt_logprobs"] = [_logprob_dicts(o.prompt_logprobs) for o in outs]
     if job.get("followup") is not None:
         result["followup"] = run_followup(llm, job["followup"], outs, first)
+    if job.get("workloads"):
+        result["workloads"] = run_workloads(llm, prompts, job["workloads"],
+                                            job.get("rounds", 2))
     if job.get("one_at_a_time"):
         # The same engine, each prompt in a batch of its own (after the batched
         # run, so its spec counters above are the batched run's).
@@ -141,6 +156,42 @@ def run(job: dict) -> dict:
             list(llm.generate([p], q, use_tqdm=False)[0].outputs[0].token_ids)
             for p, q in zip(prompts, each)]
     return result
+
+
+def run_workloads(llm, prompts, workloads: dict, rounds: int) -> dict:
+    """See ``workloads`` in the module docstring."""
+    try:
+        from vllm_ddtree.structured import GrammarTimer
+    except ImportError:  # plain vLLM
+        GrammarTimer = None
+    out = {name: {"seconds": [], "num_tokens": [], "drafts": 0, "accepted": 0,
+                  "grammar": {"prune_s": 0.0, "fill_s": 0.0, "seen": 0, "pruned": 0}}
+           for name in workloads}
+    for _ in range(rounds):
+        for name, sampling in workloads.items():
+            params = ([make_params(d) for d in sampling] if isinstance(sampling, list)
+                      else make_params(sampling))
+            d0, a0 = counter(llm, "spec_decode_num_drafts"), counter(
+                llm, "spec_decode_num_accepted_tokens")
+            if GrammarTimer is not None:
+                GrammarTimer.reset()
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            rec = out[name]
+            rec["seconds"].append(time.perf_counter() - t0)
+            rec["num_tokens"].append(sum(len(c.token_ids) for o in outs for c in o.outputs))
+            rec["drafts"] += counter(llm, "spec_decode_num_drafts") - d0
+            rec["accepted"] += counter(llm, "spec_decode_num_accepted_tokens") - a0
+            rec.setdefault("outputs", [list(o.outputs[0].token_ids) for o in outs])
+            if GrammarTimer is not None:
+                g = rec["grammar"]
+                g["prune_s"] += GrammarTimer.prune_s
+                g["fill_s"] += GrammarTimer.fill_s
+                g["seen"] += GrammarTimer.nodes_seen
+                g["pruned"] += GrammarTimer.nodes_pruned
+    for rec in out.values():
+        rec["tau"] = 1 + rec["accepted"] / rec["drafts"] if rec["drafts"] else None
+    return out
 
 
 def make_params(d: dict):

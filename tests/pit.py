@@ -63,18 +63,23 @@ def ks_uniform_p(u: np.ndarray) -> float:
 
 
 def vllm_processed_probs(logits: torch.Tensor, temperature: float, top_k: int | None = None,
-                         top_p: float | None = None) -> torch.Tensor:
+                         top_p: float | None = None, min_p: float | None = None) -> torch.Tensor:
     """fp64 probabilities of plain vLLM sampling for ``[N, V]`` fp32 logits.
 
-    Temperature division as ``Sampler.apply_temperature``, then vLLM's torch
-    top-k/top-p (``apply_top_k_top_p_pytorch``, with CPU sync allowed as on a
-    CPU host); ``top_k`` / ``top_p`` of None means the filter is off.
+    Temperature division as ``Sampler.apply_temperature``, then min-p (tokens
+    below ``min_p`` times the top probability are dropped, as vLLM's min-p
+    logits processor does), then vLLM's torch top-k/top-p
+    (``apply_top_k_top_p_pytorch``, with CPU sync allowed as on a CPU host);
+    ``top_k`` / ``top_p`` / ``min_p`` of None means the filter is off.
     """
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
 
     x = logits.float().clone()
     n = x.shape[0]
     x.div_(torch.full((n, 1), float(temperature)))
+    if min_p:
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
     k = None if top_k is None else torch.full((n,), int(top_k), dtype=torch.int32)
     p = None if top_p is None else torch.full((n,), float(top_p), dtype=torch.float32)
     x = apply_top_k_top_p_pytorch(x, k, p, allow_cpu_sync=True)

@@ -164,15 +164,16 @@ def test_logprobs_equal_plain(plain, ddtree):
 # --------------------------------------------------------------------------
 # The same PIT test as tests/test_e2e_sampling.py (see tests/pit.py), with the
 # distributions rescored under the request's own transformation at every
-# position: the penalties with the sequence's own history, and the grammar's
-# mask after the sequence's own prefix (vLLM's xgrammar backend, so the mask
-# is the one plain decoding uses).
+# position: the penalties with the sequence's own history (and min-p, which
+# vLLM's other speculative methods refuse), and the grammar's mask after the
+# sequence's own prefix (vLLM's xgrammar backend, so the mask is the one plain
+# decoding uses).
 SAMPLE_PROMPTS, SAMPLES, SAMPLE_TOKENS, FIRST = 4, 24, 32, 2
 P_MIN = 1e-3
 PENALTIES = {"repetition_penalty": 2.0, "frequency_penalty": 1.0, "presence_penalty": 1.0}
 ARMS = {
-    "penalties": dict(PENALTIES, temperature=0.9, top_p=0.95, max_tokens=SAMPLE_TOKENS,
-                      ignore_eos=True),
+    "penalties": dict(PENALTIES, temperature=0.9, top_p=0.95, min_p=0.02,
+                      max_tokens=SAMPLE_TOKENS, ignore_eos=True),
     "grammar": {"temperature": 1.0, "max_tokens": SAMPLE_TOKENS,
                 "structured_outputs": {"json": SCHEMA}},
 }
@@ -186,14 +187,16 @@ def sampled(tiny_pair, tmp_path_factory):
     work = tmp_path_factory.mktemp("api_sampling")
     log = work / "paths.jsonl"
     prompts = [p for p in humaneval_prompts(SAMPLE_PROMPTS) for _ in ARMS]
-    sampling = [dict(ARMS[a], n=SAMPLES) for _ in range(SAMPLE_PROMPTS) for a in ARMS]
+    sampling = [dict(ARMS[a], n=SAMPLES, logprobs=1)
+                for _ in range(SAMPLE_PROMPTS) for a in ARMS]
     spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": 16,
             "ddtree_adaptive": False}
     res = run_job({"model": target, "prompts": prompts, "sampling": sampling,
                    "speculative_config": spec, "setup": "tests.path_probe:record_paths",
                    "env": dict(IN_PROCESS, **{ENV_LOG: str(log)}),
                    "llm": {"structured_outputs_config": {"backend": "xgrammar",
-                                                         "disable_any_whitespace": True}}},
+                                                         "disable_any_whitespace": True},
+                           "logprobs_mode": "processed_logprobs"}},
                   work)
     res["paths"] = totals(log)
     return res
@@ -246,11 +249,12 @@ def _rescore_arm(tiny_pair, res, arm):
     make_grammar, backend = _grammar_factory(target) if arm == "grammar" else (None, None)
     params = ARMS[arm]
     rng = np.random.default_rng(7)
-    u_rank, u_id, ps = [], [], []
+    u_rank, u_id, ps, lp_err = [], [], [], []
     k_arm = list(ARMS).index(arm)
     for i in range(SAMPLE_PROMPTS):
-        prompt = res["prompt_ids"][i * len(ARMS) + k_arm]
-        for comp in res["outputs"][i * len(ARMS) + k_arm]:
+        row = i * len(ARMS) + k_arm
+        prompt = res["prompt_ids"][row]
+        for comp, reported in zip(res["outputs"][row], res["logprobs"][row]):
             if len(comp) <= FIRST:
                 continue
             ids = torch.tensor([prompt + comp])
@@ -273,14 +277,20 @@ def _rescore_arm(tiny_pair, res, arm):
                 if k >= FIRST:
                     rows.append(row)
             x = torch.stack(rows)
-            probs = vllm_processed_probs(x, params["temperature"], None,
-                                         params.get("top_p")).numpy()
+            probs = vllm_processed_probs(x, params["temperature"], None, params.get("top_p"),
+                                         params.get("min_p")).numpy()
             toks = np.array(comp[FIRST:])
             v = rng.random(len(toks))
             u_rank.append(randomized_pit(probs, toks, v, "rank"))
             u_id.append(randomized_pit(probs, toks, v, "id"))
             ps.append(probs[np.arange(len(toks)), toks])
-    return Rescored(np.concatenate(u_rank), np.concatenate(u_id), np.concatenate(ps))
+            # processed_logprobs: the log-probability of each sampled token
+            # under the distribution it was drawn from.
+            lp_err.extend(abs(reported[k][str(t)] - np.log(p))
+                          for k, t, p in zip(range(FIRST, len(comp)), toks, ps[-1]))
+    scored = Rescored(np.concatenate(u_rank), np.concatenate(u_id), np.concatenate(ps))
+    scored.logprob_error = max(lp_err)
+    return scored
 
 
 @pytest.mark.parametrize("arm", list(ARMS))
@@ -292,3 +302,6 @@ def test_sampling_matches_plain_distribution(tiny_pair, sampled, arm):
     assert scored.nucleus_misses == 0, scored.summary()
     assert scored.ks_p > P_MIN, f"{arm}: DDTree samples are not plain samples: {scored.summary()}"
     assert scored.ks_p_id > P_MIN, f"{arm}: {scored.summary()}"
+    # processed logprobs (vLLM's --logprobs-mode processed_logprobs) agree with
+    # the rescored distribution (transformers fp32 vs vLLM fp32: about 1e-5)
+    assert scored.logprob_error < 2e-3, scored.logprob_error

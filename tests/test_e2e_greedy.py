@@ -2,7 +2,8 @@
 
 These runs pin the budget (``ddtree_adaptive: false``), so that every step
 verifies B nodes per request; ``test_e2e_adaptive.py`` covers the adaptive
-budget."""
+budget, and ``test_e2e_api.py`` a budget of 16 with per-request logits
+transformations, logprobs and structured output."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tests.conftest import run_job
 
 pytestmark = pytest.mark.engine
 
-PROMPTS = "humaneval:32"
+PROMPTS = "humaneval:16"
 SAMPLING = {"temperature": 0.0, "max_tokens": 128, "ignore_eos": True}
 
 
@@ -40,7 +41,7 @@ def _ddtree(tiny_pair, tmp_path, budget, eager=True):
 
 
 def _assert_identical(res, plain, what):
-    assert len(res["outputs"]) == 32
+    assert len(res["outputs"]) == 16
     for i, (a, b) in enumerate(zip(res["outputs"], plain["outputs"])):
         assert a == b, f"prompt {i}: {what} diverges from plain decoding"
 
@@ -54,7 +55,7 @@ def test_greedy_compiled_identical_to_plain_compiled(plain_compiled, tiny_pair, 
     check_ddtree_metrics(res["spec"], 32)
 
 
-@pytest.mark.parametrize("budget", [1, 16, 64])
+@pytest.mark.parametrize("budget", [64])
 def test_greedy_identical_to_plain(plain, tiny_pair, tmp_path, budget):
     res = _ddtree(tiny_pair, tmp_path, budget)
     _assert_identical(res, plain, f"ddtree(B={budget})")

@@ -8,16 +8,17 @@ The engine runs (each in its own process):
 * plain greedy decoding;
 * DDTree at a fixed budget of 16, batched and then one prompt at a time in the
   same engine, with every walk's accepted path recorded (``tests/path_probe.py``);
-* vLLM's own DFlash chain (15 drafts) and DDTree with chain-shaped trees (the
-  drafter's argmax chain, verified through the tree path);
 * DDTree with the adaptive budget under a pinned cost model: mixed
   per-request budgets (zero-draft rows and short trees among full ones), and
   plain steps after tree steps and back;
-* DDTree and plain sampling at T = 0.8, top-k 5, top-p 0.95, rescored in fp32
-  for a randomized-PIT test on tokens past the first two.
+* DDTree sampling at T = 0.8, top-k 5, top-p 0.95, rescored in fp32 for a
+  randomized-PIT test on tokens past the first two.
 
 Kernel-level exactness (every node's conv output and state against vLLM's
-chain along the node's path, and the commit) is in ``tests/test_gdn_tree_cpu.py``.
+chain along the node's path, a chain-shaped tree against vLLM's chain bit for
+bit, and the commit) is in ``tests/test_gdn_tree_cpu.py``; a chain-shaped
+DDTree engine gave the same tokens and acceptances as vLLM's DFlash chain on
+12/12 prompts (docs/results.md).
 """
 
 from __future__ import annotations
@@ -120,20 +121,6 @@ def test_batched_equals_one_at_a_time(fp32_target, prompts, tree):
     assert len(divs) <= len(prompts) // 4
 
 
-def test_chain_shaped_trees_equal_the_dflash_chain(tiny_hybrid, fp32_target, prompts,
-                                                   workdir):
-    chain = _run(tiny_hybrid, prompts, workdir,
-                 {"method": "dflash", "num_speculative_tokens": 15})
-    tree_chain = _run(tiny_hybrid, prompts, workdir, _ddtree(num_speculative_tokens=15),
-                      setup="tests.path_probe:chain_trees", env=IN_PROCESS)
-    _assert_near_ties_only(fp32_target, prompts, chain, tree_chain,
-                           "chain-shaped ddtree vs dflash", 0.75)
-    same = [i for i, (a, b) in enumerate(zip(chain["outputs"], tree_chain["outputs"]))
-            if a == b]
-    if len(same) == len(prompts):  # then the drafts and acceptances are the same too
-        assert tree_chain["spec"]["accepted"] == chain["spec"]["accepted"]
-
-
 def test_adaptive_budget_equals_plain_except_near_ties(tiny_hybrid, fp32_target, prompts,
                                                        workdir, plain):
     """A pinned cost model under which budgets differ per request and step
@@ -154,9 +141,10 @@ SAMPLES, SAMPLE_TOKENS, FIRST = 16, 40, 2
 TEMPERATURE, TOP_K, TOP_P = 0.8, 5, 0.95
 P_MIN = 1e-3
 # Tokens outside the fp32-rescored nucleus: bf16 vLLM and the fp32 rescoring
-# break top-k / top-p boundary near-ties differently. Measured 0.78% on the
-# plain arm and 0.49-0.90% on the DDTree arm (2432 tokens each); a wrong tree
-# mask puts several percent outside (tests/test_e2e_sampling.py: 3.7%).
+# break top-k / top-p boundary near-ties differently. Measured 0.78% with plain
+# decoding (the calibration arm, KS p 0.16 / 0.13) and 0.49-0.90% with DDTree
+# (2432 tokens each); a wrong tree mask puts several percent outside
+# (tests/test_e2e_sampling.py: 3.7%).
 MAX_MISS_FRACTION = 0.02
 MIN_DEEP_FRACTION = 0.04  # accepted nodes at depth >= 2, per PIT token
 
@@ -171,10 +159,10 @@ def _sample(tiny_hybrid, prompts, workdir, spec):
 
 def test_sampling_is_distribution_identical_to_plain(tiny_hybrid, fp32_target, prompts,
                                                      workdir):
-    """Randomized PIT under the fp32 rescoring, tokens 3..40: the DDTree arm
-    must pass exactly like the plain-decoding arm (the control, which carries
-    the same bf16-vs-fp32 difference)."""
-    arms = {"plain": None, "ddtree": _ddtree()}
+    """Randomized PIT under the fp32 rescoring, tokens 3..40, with the bounds
+    plain decoding passes under the same bf16-vs-fp32 difference (measured
+    above)."""
+    arms = {"ddtree": _ddtree()}
     scored = {}
     for name, spec in arms.items():
         res = _sample(tiny_hybrid, prompts, workdir, spec)

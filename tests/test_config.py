@@ -132,11 +132,7 @@ def test_async_scheduling_refused(tiny_pair):
 
 
 @pytest.mark.parametrize("kwargs,field", [
-    ({"repetition_penalty": 1.2}, "repetition_penalty"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty"),
-    ({"presence_penalty": -0.5}, "presence_penalty"),
-    ({"logprobs": 2}, "logprobs"),
-    ({"min_tokens": 3}, "min_tokens"),
+    ({"logprobs": -1}, "logprobs"),
     ({"logprob_token_ids": [1, 2]}, "logprob_token_ids"),
     ({"thinking_token_budget": 8}, "thinking_token_budget"),
 ])
@@ -147,17 +143,27 @@ def test_unsupported_request_params(tiny_pair, kwargs, field):
     target, drafter = tiny_pair
     spec = _engine_config(target, {"method": "ddtree", "model": drafter}).speculative_config
     SamplingParams(temperature=0.8)._validate_spec_decode(spec)  # fine
-    with pytest.raises(VLLMValidationError, match=field):
+    with pytest.raises(VLLMValidationError, match=field) as err:
         SamplingParams(**kwargs)._validate_spec_decode(spec)
+    assert "DDTree" in str(err.value)
 
 
-def test_structured_output_refused(tiny_pair):
+def test_served_request_params(tiny_pair):
+    """What vLLM refuses for its speculative methods (min_p, logit_bias) and
+    what DDTree applies per tree node passes DDTree's check; the chain method
+    keeps vLLM's refusal."""
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import StructuredOutputsParams
 
     target, drafter = tiny_pair
     spec = _engine_config(target, {"method": "ddtree", "model": drafter}).speculative_config
-    params = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"}))
-    with pytest.raises(VLLMValidationError, match="structured output"):
-        params._validate_spec_decode(spec)
+    for kwargs in ({"min_p": 0.1}, {"logit_bias": {3: 1.0}}, {"repetition_penalty": 1.2},
+                   {"frequency_penalty": 0.5, "presence_penalty": -0.5}, {"logprobs": 2},
+                   {"min_tokens": 3}, {"bad_words": ["x"]}, {"allowed_token_ids": [1, 2]},
+                   {"structured_outputs": StructuredOutputsParams(json={"type": "object"})}):
+        SamplingParams(**kwargs)._validate_spec_decode(spec)
+    chain = _engine_config(target, {"method": "dflash", "model": drafter,
+                                    "num_speculative_tokens": 4}).speculative_config
+    with pytest.raises(VLLMValidationError, match="min_p"):
+        SamplingParams(min_p=0.1)._validate_spec_decode(chain)

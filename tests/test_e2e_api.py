@@ -31,6 +31,8 @@ import pytest
 from tests.conftest import run_job
 from tests.path_probe import ENV_LOG, totals
 
+pytestmark = pytest.mark.engine
+
 NEWLINE, EQUALS = 202, 282
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
 SCHEMA = {"type": "object",

@@ -6,7 +6,9 @@ refuses ``min_p`` and ``logit_bias``. DDTree applies both at every tree node
 (``vllm_ddtree/node_sampling.py``) and needs the processors' per-request state
 for that; plain steps of a DDTree engine then apply them through vLLM's own
 sampler. Custom logits processors stay refused, as vLLM refuses them for
-every speculative method.
+every speculative method; installed logits-processor plugins (the
+``vllm.logits_processors`` entry points), which vLLM silently leaves out of
+speculative engines, are refused too: they would apply in plain steps only.
 """
 
 from __future__ import annotations
@@ -22,9 +24,17 @@ def _build(original):
                 or custom_logitsprocs):
             return original(vllm_config, device, is_pin_memory, is_pooling_model,
                             custom_logitsprocs)
-        from vllm.v1.sample.logits_processor import (BUILTIN_LOGITS_PROCESSORS,
-                                                     LogitsProcessors)
+        from importlib.metadata import entry_points
 
+        from vllm.v1.sample.logits_processor import (BUILTIN_LOGITS_PROCESSORS,
+                                                     LOGITSPROCS_GROUP, LogitsProcessors)
+
+        plugins = [f"{e.name} ({e.value})" for e in entry_points(group=LOGITSPROCS_GROUP)]
+        if plugins:
+            raise ValueError(
+                f"DDTree cannot apply logits-processor plugins per tree node; installed "
+                f"({LOGITSPROCS_GROUP}): {', '.join(plugins)}. Uninstall them, or serve "
+                f"without speculative decoding.")
         return LogitsProcessors(cls(vllm_config, device, is_pin_memory)
                                 for cls in BUILTIN_LOGITS_PROCESSORS)
 

@@ -151,3 +151,30 @@ def test_escape_hatch_end_to_end(monkeypatch, allowed):
         for p in patches:  # back to this process's state
             p.revert()
             p.apply(real)
+
+
+def test_ddtree_builds_every_builtin_logits_processor(monkeypatch):
+    """vLLM builds only min_tokens for speculative engines; DDTree needs min_p
+    and logit_bias too (patches/logitsprocs.py), and refuses plugins it would
+    apply in plain steps only."""
+    import importlib.metadata as metadata
+    from types import SimpleNamespace
+
+    from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
+                                                         MinPLogitsProcessor,
+                                                         MinTokensLogitsProcessor)
+    from vllm.v1.worker import gpu_model_runner
+
+    from vllm_ddtree.plugin import register
+
+    register()
+    cfg = SimpleNamespace(speculative_config=SimpleNamespace(ddtree=object()),
+                          scheduler_config=SimpleNamespace(max_num_seqs=4))
+    monkeypatch.setattr(metadata, "entry_points", lambda group: [])
+    procs = gpu_model_runner.build_logitsprocs(cfg, "cpu", False, False, ())
+    assert {type(p) for p in procs.all} == {MinTokensLogitsProcessor, LogitBiasLogitsProcessor,
+                                            MinPLogitsProcessor}
+    monkeypatch.setattr(metadata, "entry_points",
+                        lambda group: [SimpleNamespace(name="mine", value="pkg.mod:Mine")])
+    with pytest.raises(ValueError, match="pkg.mod:Mine"):
+        gpu_model_runner.build_logitsprocs(cfg, "cpu", False, False, ())

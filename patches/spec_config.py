@@ -244,11 +244,25 @@ def _configure_engine(args: Any, model_config: Any, parallel_config: Any,
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
 
 
+def _find_drafter(target: str) -> str:
+    """The drafter for ``{"method": "ddtree"}`` without a model (vllm_ddtree/drafters.py)."""
+    from vllm_ddtree.drafters import DrafterNotFound, find_drafter
+
+    try:
+        drafter = find_drafter(target)
+    except DrafterNotFound as e:
+        raise DDTreeConfigError(str(e)) from None
+    logger.info("DDTree: drafter %s for the target %s: %s", drafter.model, target, drafter.why)
+    return drafter.model
+
+
 def _build(original):
     def create_speculative_config(self, target_model_config, target_parallel_config):
         user = _user_dict(self)
         if user is None:
             return original(self, target_model_config, target_parallel_config)
+        if not user.get("model"):
+            user["model"] = _find_drafter(target_model_config.model)
         cfg, vllm_dict = DDTreeConfig.from_speculative_dict(user)
         # Check the drafter before vLLM does, so a wrong model gets our message.
         runtime = resolve(cfg, read_drafter_config(vllm_dict["model"], vllm_dict.get("revision")))

@@ -7,7 +7,7 @@ scripts/setup.sh
 source .venv/bin/activate
 export HF_HUB_OFFLINE=1
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
-SPEC_CONFIG="${DDTREE_SPEC_CONFIG:-{\"method\":\"ddtree\",\"model\":\"models/tiny-qwen3-dflash\",\"num_speculative_tokens\":32\}}"
+SPEC_CONFIG="${DDTREE_SPEC_CONFIG:-{\"method\":\"ddtree\"\}}"
 set -x
 exec vllm serve models/tiny-qwen3 \
   --served-model-name tiny-qwen3 \

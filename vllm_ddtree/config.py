@@ -69,7 +69,8 @@ class DDTreeConfig(BaseModel):
         if not rest.get("model"):
             raise DDTreeConfigError(
                 "speculative_config.model: method 'ddtree' needs a DFlash drafter; set "
-                "\"model\" to a DFlash checkpoint (e.g. z-lab/Qwen3-8B-DFlash-b16).")
+                "\"model\" to a DFlash checkpoint (e.g. z-lab/Qwen3-8B-DFlash-b16), or leave it "
+                "out for the plugin to find one (vllm_ddtree/drafters.py).")
         budget = rest.get("num_speculative_tokens")
         if budget is None:
             budget = DEFAULT_BUDGET

@@ -91,6 +91,11 @@ class StepCounts:
         return torch.cat([sums, hist[:HIST_BINS].double()])
 
 
+# Callables run with every verified round (after the walk), in the engine's
+# process: the trace (``vllm-ddtree trace``) records rounds through this.
+ROUND_OBSERVERS: list = []
+
+
 @dataclass
 class TreeRound:
     req_ids: list[str]
@@ -151,6 +156,7 @@ class TreeRound:
         """
         if not scheduled:
             return None
+        with_logq = with_logq or bool(ROUND_OBSERVERS)
         req_ids = list(req_ids)
         counts = [len(scheduled.get(r, ())) for r in req_ids]
         if max(counts) > budget:
@@ -277,6 +283,8 @@ class TreeRound:
         if self.any_tree:
             self.src_rows, self.dst_rows = compaction_rows(
                 self.path, self.num_accepted, self.query_start, self.depth)
+        for observe in ROUND_OBSERVERS:
+            observe(self, res.output_tokens)
         return res.output_tokens
 
     def output_rows(self) -> Tensor:

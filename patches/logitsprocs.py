@@ -19,9 +19,9 @@ from vllm_ddtree.patches.base import Patch
 def _build(original):
     def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model,
                           custom_logitsprocs=()):
-        spec = getattr(vllm_config, "speculative_config", None)
-        if (getattr(spec, "ddtree", None) is None or is_pooling_model
-                or custom_logitsprocs):
+        from vllm_ddtree.config import ddtree_runtime
+
+        if ddtree_runtime(vllm_config) is None or is_pooling_model or custom_logitsprocs:
             return original(vllm_config, device, is_pin_memory, is_pooling_model,
                             custom_logitsprocs)
         from importlib.metadata import entry_points

@@ -19,8 +19,9 @@ from vllm_ddtree.patches.base import Patch
 
 
 def _ddtree_on(vllm_config) -> bool:
-    spec = getattr(vllm_config, "speculative_config", None)
-    return getattr(spec, "ddtree", None) is not None
+    from vllm_ddtree.config import ddtree_runtime
+
+    return ddtree_runtime(vllm_config) is not None
 
 
 def _build_update(original):

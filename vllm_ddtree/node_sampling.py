@@ -26,7 +26,6 @@ and tree steps read their per-request state here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -72,10 +71,11 @@ def _check_processors(md) -> None:
 
 
 def needs_processing(md) -> bool:
-    """Whether any request of the batch transforms its logits before sampling."""
+    """Whether any request of the batch transforms its logits before sampling
+    (and that every logits processor is one DDTree applies per node)."""
+    _check_processors(md)
     if md.allowed_token_ids_mask is not None or md.bad_words_token_ids or not md.no_penalties:
         return True
-    _check_processors(md)
     for proc in md.logitsprocs.all:
         if isinstance(proc, MinTokensLogitsProcessor) and proc.min_toks:
             return True
@@ -102,14 +102,13 @@ def process_nodes(x: Tensor, md, rows: NodeRows) -> Tensor:
     if md.bad_words_token_ids:
         words, pasts = {}, {}
         for r, bad in md.bad_words_token_ids.items():
-            out = md.output_token_ids[r]
             longest = max((len(w) for w in bad), default=1)
-            # Only the last len(word) - 1 tokens are compared; keep enough.
-            tail = list(out[-(longest - 1):]) if longest > 1 else []
+            # Only the last len(word) - 1 tokens are compared: keep that many.
+            tail = list(md.output_token_ids[r][-(longest - 1):]) if longest > 1 else []
             paths = node_paths(rows.parents[r], rows.tokens[r])
             for row, path in zip(rows.rows_of(r), paths):
                 words[row] = bad
-                pasts[row] = (tail + path) if len(out) >= longest - 1 else (list(out) + path)
+                pasts[row] = tail + path
         apply_bad_words(x, words, pasts)
 
     for proc in md.logitsprocs.non_argmax_invariant:
@@ -117,8 +116,6 @@ def process_nodes(x: Tensor, md, rows: NodeRows) -> Tensor:
             _min_tokens(x, proc, rows)
         elif isinstance(proc, LogitBiasLogitsProcessor):
             _logit_bias(x, proc, rows)
-        else:
-            _check_processors(md)
 
     if not md.no_penalties:
         _penalties(x, md, rows)
@@ -170,32 +167,23 @@ def _logit_bias(x: Tensor, proc: LogitBiasLogitsProcessor, rows: NodeRows) -> No
             bb, dtype=torch.float32, device=dev)
 
 
-def _pad(lists: Sequence[Sequence[int]], pad: int, device) -> Tensor:
-    width = max((len(t) for t in lists), default=0)
-    out = torch.full((len(lists), max(width, 1)), pad, dtype=torch.int64)
-    for i, t in enumerate(lists):
-        if t:
-            out[i, : len(t)] = torch.as_tensor(list(t), dtype=torch.int64)
-    return out.to(device, non_blocking=True)
-
-
-def _bin_counts(tokens: Tensor, vocab: int) -> Tensor:
-    counts = torch.zeros(tokens.shape[0], vocab + 1, dtype=torch.long, device=tokens.device)
-    counts.scatter_add_(1, tokens, torch.ones_like(tokens))
-    return counts[:, :vocab]
-
-
 def _penalties(x: Tensor, md, rows: NodeRows) -> None:
     from vllm._custom_ops import apply_repetition_penalties
+    from vllm.model_executor.layers.utils import get_token_bin_counts_and_mask
+    from vllm.utils.torch_utils import make_tensor_with_pad
 
-    num_rows, vocab = x.shape
+    vocab = x.shape[1]
     num_reqs = len(rows.counts)
-    out = _pad([[t if t >= 0 else vocab for t in o] for o in md.output_token_ids[:num_reqs]],
-               vocab, x.device)
-    counts = _bin_counts(out, vocab)[rows.req_of_row]
-    counts += path_token_counts(rows.tokens_dev, rows.parents_dev, rows.req_of_row,
-                                rows.node_of_row, vocab, rows.max_depth)
-    prompt_mask = _bin_counts(md.prompt_token_ids[:num_reqs].long(), vocab)[rows.req_of_row] > 0
+    out = make_tensor_with_pad(md.output_token_ids[:num_reqs], pad=vocab, device=x.device,
+                               dtype=torch.int64)
+    out.masked_fill_(out == -1, vocab)  # as vLLM's apply_all_penalties
+    counts, _ = get_token_bin_counts_and_mask(out, vocab, num_reqs)
+    counts = counts[rows.req_of_row] + path_token_counts(
+        rows.tokens_dev, rows.parents_dev, rows.req_of_row, rows.node_of_row, vocab,
+        rows.max_depth)
+    _, prompt_mask = get_token_bin_counts_and_mask(md.prompt_token_ids[:num_reqs].long(), vocab,
+                                                   num_reqs)
+    prompt_mask = prompt_mask[rows.req_of_row]
     output_mask = counts > 0
     # The arithmetic of vLLM's apply_penalties, on the node rows.
     apply_repetition_penalties(x, prompt_mask, output_mask,

@@ -49,6 +49,16 @@ def tiny_hybrid() -> tuple[str, str]:
     return str(HYBRID), str(HYBRID_DRAFTER)
 
 
+def token_id(text: str, model: Path = TARGET) -> int:
+    """The id of ``text`` in ``model``'s tokenizer; it must be one token."""
+    import json
+
+    vocab = json.loads((model / "tokenizer.json").read_text())["model"]["vocab"]
+    # byte-level BPE spells space as "\u0120" and newline as "\u010a"
+    key = text.replace(" ", "\u0120").replace("\n", "\u010a")
+    assert key in vocab, f"{text!r} is not a single token of {model}"
+    return vocab[key]
+
 
 def run_job(job: dict, tmp_path: Path, timeout: float = 900) -> dict:
     """Run ``benchmarks.run_llm`` on ``job`` in a fresh process; return its result."""

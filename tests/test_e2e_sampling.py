@@ -26,7 +26,8 @@ Power, on the same token count: two deliberately broken DDTree runs
 * ``accept_first_draft`` (fewer samples): the walk always accepts the
   drafter's first node (a wrong root sample).
 
-Measured (engine seed 1234; 4864 PIT tokens per arm, the wrong walk 1216)::
+Measured on the first bundled pair (v1, see docs/results.md; engine seed 1234;
+4864 PIT tokens per arm, the wrong walk 1216)::
 
     arm              KS p (probability / id order)   outside nucleus   depth >= 2
     ddtree           0.089 / 0.96                    0                 593 (tau 1.82)

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import ROOT, run_job
+from tests.conftest import ROOT, run_job, token_id
 
 pytestmark = [pytest.mark.engine, pytest.mark.server]
 
@@ -165,15 +165,19 @@ def test_chat_logprobs(server):
 
 
 def test_penalty_and_min_tokens(server):
-    r = _complete(server, "def fibonacci(n):\n", presence_penalty=0.5, frequency_penalty=0.3,
-                  repetition_penalty=1.2, min_tokens=20, stop_token_ids=[NEWLINE],
-                  ignore_eos=False)
+    params = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2,
+                  stop_token_ids=[NEWLINE], ignore_eos=False)
+    r = _complete(server, "def fibonacci(n):\n", min_tokens=20, **params)
     assert r.status_code == 200, r.text
-    # The tiny model's first token here is a newline, which would stop it at once.
     assert r.json()["usage"]["completion_tokens"] >= 20
+    # Without min_tokens the stop token ends the same request early, so the
+    # check above is min_tokens at work.
+    r = _complete(server, "def fibonacci(n):\n", **params)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] < 20
 
 
-NEWLINE = 202  # the bundled tokenizer's "\n"
+NEWLINE = token_id("\n")
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                            "size": {"type": "integer", "minimum": 0,
                                                     "maximum": 9999}},

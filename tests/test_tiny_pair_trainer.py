@@ -21,7 +21,7 @@ def _keys(path):
 
 TOY = ["--threads", "1", "--target-steps", "2", "--target-seq", "32", "--target-batch", "2",
        "--distill-seqs", "128", "--distill-new", "24", "--drafter-steps", "2",
-       "--drafter-batch", "2"]
+       "--drafter-batch", "2", "--distill-fn-seqs", "16"]
 
 
 def _train(out, work, *extra):
@@ -45,6 +45,17 @@ def test_trainer_smoke(tmp_path):
     assert (out / "tiny-qwen3-dflash" / "mask_embedding.pt").exists()
     log = json.loads((out / "training_log.json").read_text())
     assert len(log["target_train"]) == 2 and len(log["drafter_train"]) == 2
+    # A prompt cut at a line end must end in the token training saw before
+    # indentation: newlines never merge with the spaces after them, in the
+    # trainer's tokenizer and in the bundled one.
+    from transformers import PreTrainedTokenizerFast
+
+    code = "def f(x):\n    if x:\n        return x\n\n\nclass A:\n    pass\n"
+    for path in (out / "tiny-qwen3", TARGET):
+        tok = PreTrainedTokenizerFast.from_pretrained(path)
+        pieces = [tok.decode([i]) for i in tok(code, add_special_tokens=False)["input_ids"]]
+        assert "".join(pieces) == code
+        assert not any("\n " in p for p in pieces), (path, pieces)
 
     # The hybrid pair (--arch qwen3_5), from the same tokenizer and corpus.
     hwork = tmp_path / "work_hybrid"

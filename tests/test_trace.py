@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from vllm_ddtree.trace_plot import layout
+from vllm_ddtree.trace_plot import _label, layout
 
 
 def test_layout_places_leaves_in_rows_and_parents_between():
@@ -23,6 +23,13 @@ def test_layout_places_leaves_in_rows_and_parents_between():
 
 
 @pytest.mark.engine
+def test_labels_spell_out_invisible_characters():
+    assert _label("):\n") == "):\\n"
+    assert _label("\t\x04x") == "\\t\\x04x"
+    assert _label("abcdefghijkl") == "abcdefghi…"
+    assert all(c.isprintable() for c in _label("".join(map(chr, range(32)))))
+
+
 def test_trace_cli_on_the_bundled_pair(tiny_pair, tmp_path):
     target, _ = tiny_pair
     env = dict(os.environ, HF_HUB_OFFLINE="1")

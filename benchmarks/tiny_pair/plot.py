@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 
 def smooth(ys, k=25):
@@ -36,7 +37,9 @@ def main() -> None:
     ax.plot(s, smooth(list(y)), label="train (smoothed)")
     s, y = zip(*log["target_val"])
     ax.plot(s, y, "o-", ms=3, label="validation")
-    ax.set(title="target: next-token loss (nats)", xlabel="step", ylim=(2.5, 6))
+    low = min(min(y), min(smooth([v for _, v in log["target_train"]])))
+    ax.set(title="target: next-token loss (nats)", xlabel="step",
+           ylim=(math.floor(2 * low) / 2 - 0.25, 6))
     ax.legend()
     ax = axes[1]
     s, y = zip(*log["drafter_train"])

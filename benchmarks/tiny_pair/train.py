@@ -7,10 +7,13 @@
 Stages (each caches its result under --work, so a rerun skips what is done):
 
 1. ``tokenizer``: byte-level BPE over the Python standard library's own source
-   (the interpreter running this script), with ``<|endoftext|>`` (eos),
+   (the interpreter running this script), split first the way Qwen's
+   tokenizers split (``QWEN_SPLIT``), with ``<|endoftext|>`` (eos),
    ``<|mask|>`` (the DFlash mask token) and a minimal chat template.
 2. ``target``: a small ``Qwen3ForCausalLM`` (GQA) trained on that corpus.
-3. ``distill``: the target's own greedy continuations of corpus prefixes.
+3. ``distill``: the target's own greedy continuations of corpus prefixes, and
+   of prompts that end after a function's signature and docstring (the shape
+   of a code-completion request such as HumanEval's).
 4. ``drafter``: a z-lab-format DFlash drafter (``DFlashDraftModel``,
    ``block_size`` 16) trained on those continuations with the block objective
    ``[anchor, MASK x 15] -> next 15 target tokens``, conditioned on the
@@ -83,10 +86,20 @@ HYBRID_DRAFTER = dict(layers=2, heads=4, kv_heads=1, head_dim=64, inter=768, blo
 
 
 # Training schedules of the bundled pairs (the CLI's defaults for --arch).
-SCHEDULE = dict(target_steps=1400, target_seq=384, target_batch=12, distill_seqs=8192,
-                drafter_steps=1500)
-HYBRID_SCHEDULE = dict(target_steps=600, target_seq=256, target_batch=8, distill_seqs=2048,
-                       drafter_steps=700)
+SCHEDULE = dict(pretokenizer="qwen", target_steps=2400, target_seq=384, target_batch=12,
+                distill_seqs=8192, distill_fn_seqs=2048, drafter_steps=2000)
+HYBRID_SCHEDULE = dict(pretokenizer="bytelevel", target_steps=600, target_seq=256, target_batch=8,
+                       distill_seqs=2048, distill_fn_seqs=0, drafter_steps=700)
+
+# Pre-tokenization before byte-level BPE. "bytelevel" is GPT-2's split, which
+# glues a newline to the indentation after it ("\n    "), so a prompt ending in
+# "\n" (every code-completion prompt) ends in a token the model never saw
+# followed by indentation. "qwen" splits the way Qwen's tokenizers do: runs of
+# newlines are their own pre-token or close a run of punctuation (":\n"), and the
+# indentation that follows is a separate token, so prompts cut at a line end
+# tokenize as they did in training.
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 class Arch:
@@ -144,8 +157,8 @@ def read(f: str) -> str:
 
 
 # --------------------------------------------------------------------------- stage 1
-def train_tokenizer(work: Path, vocab: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def train_tokenizer(work: Path, vocab: int, pretokenizer: str = "qwen"):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tdir = work / "tokenizer"
@@ -153,12 +166,18 @@ def train_tokenizer(work: Path, vocab: int):
         return PreTrainedTokenizerFast.from_pretrained(tdir)
     train, _ = corpus_files()
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if pretokenizer == "qwen":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    log(f"tokenizer: training BPE (vocab {vocab}) on {len(train)} files")
+    log(f"tokenizer: training BPE (vocab {vocab}, {pretokenizer} pre-tokenizer) "
+        f"on {len(train)} files")
     tok.train_from_iterator((read(f) for f in train), trainer=trainer)
     assert tok.token_to_id("<|endoftext|>") == EOS_ID and tok.token_to_id("<|mask|>") == MASK_ID
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
@@ -345,8 +364,29 @@ def features(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([hs[i + 1] for i in ARCH.layer_ids], dim=-1)
 
 
+@torch.no_grad()
+def init_from_target(drafter: DFlashDrafter, model) -> None:
+    """Start the drafter's layers as copies of the target's top layers (and its
+    final norm): the block rows begin by computing what the target's last
+    layers would. Needs equal layer shapes (true for the attention-only pair)."""
+    top = model.model.layers[-len(drafter.layers):]
+    for mine, theirs in zip(drafter.layers, top):
+        pairs = [(mine.input_layernorm, theirs.input_layernorm),
+                 (mine.post_attention_layernorm, theirs.post_attention_layernorm)]
+        pairs += [(getattr(mine, n), getattr(theirs.self_attn, n))
+                  for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+        pairs += [(getattr(mine, n), getattr(theirs.mlp, n))
+                  for n in ("gate_proj", "up_proj", "down_proj")]
+        for dst, src in pairs:
+            if dst.weight.shape != src.weight.shape:
+                raise ValueError(f"--drafter-init target: drafter weight {tuple(dst.weight.shape)}"
+                                 f" vs target {tuple(src.weight.shape)}; use --drafter-init random")
+            dst.weight.copy_(src.weight)
+    drafter.norm.weight.copy_(model.model.norm.weight)
+
+
 def train_drafter(model, seqs, work: Path, steps: int, bsz: int, anchors: int, lr: float,
-                  decay: float, curves: dict) -> DFlashDrafter:
+                  decay: float, curves: dict, init: str = "random") -> DFlashDrafter:
     path = work / "drafter.pt"
     cfg = model.config
     torch.manual_seed(3)
@@ -354,6 +394,8 @@ def train_drafter(model, seqs, work: Path, steps: int, bsz: int, anchors: int, l
                             rope_theta=cfg.rope_parameters["rope_theta"], **ARCH.drafter)
     with torch.no_grad():
         drafter.mask_embedding.copy_(model.model.embed_tokens.weight[MASK_ID])
+    if init == "target" and not path.exists():
+        init_from_target(drafter, model)
     if path.exists():
         drafter.load_state_dict(torch.load(path))
         if path.with_suffix(".curves.json").exists():
@@ -468,19 +510,23 @@ def main() -> None:
     ap.add_argument("--stages", default="all", help="comma list of tokenizer,target,distill,drafter,export")
     ap.add_argument("--redo", default="", help="comma list of cached stages to recompute")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--pretokenizer", choices=("qwen", "bytelevel"), default=None,
+                    help="split before BPE (default per --arch; see QWEN_SPLIT)")
     ap.add_argument("--target-steps", type=int, default=None)
     ap.add_argument("--target-seq", type=int, default=None)
     ap.add_argument("--target-batch", type=int, default=None)
     ap.add_argument("--target-lr", type=float, default=3e-3)
     ap.add_argument("--distill-seqs", type=int, default=None)
     ap.add_argument("--distill-new", type=int, default=96)
-    ap.add_argument("--distill-fn-seqs", type=int, default=0,
-                    help="extra continuations of function-signature+docstring prompts "
-                         "(0 = none, as for the bundled drafter)")
+    ap.add_argument("--distill-fn-seqs", type=int, default=None,
+                    help="extra continuations of function-signature+docstring prompts, "
+                         "the shape of a code-completion request (0 = none)")
     ap.add_argument("--drafter-steps", type=int, default=None)
     ap.add_argument("--drafter-batch", type=int, default=16)
     ap.add_argument("--drafter-anchors", type=int, default=4)
     ap.add_argument("--drafter-lr", type=float, default=2e-3)
+    ap.add_argument("--drafter-init", choices=("random", "target"), default="random",
+                    help="target: start the drafter's layers as copies of the target's top layers")
     ap.add_argument("--drafter-decay", type=float, default=5.0,
                     help="per-position loss weight exp(-(k-1)/decay)")
     args = ap.parse_args()
@@ -497,21 +543,21 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     stages = {"tokenizer", "target", "distill", "drafter", "export"} if args.stages == "all" \
         else set(args.stages.split(","))
-    cached = {"tokenizer": "tokenizer", "target": "target", "distill": "distill.pt",
-              "drafter": "drafter.pt"}
+    cached = {"tokenizer": ["tokenizer", "tokens.pt"], "target": ["target"],
+              "distill": ["distill.pt", "distill_fn.pt"], "drafter": ["drafter.pt"]}
     for stage in filter(None, args.redo.split(",")):
-        path = work / cached[stage]
-        if path.is_dir():
-            import shutil
+        for path in (work / name for name in cached[stage]):
+            if path.is_dir():
+                import shutil
 
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
     log_path = out / ARCH.log_name
     curves = json.loads(log_path.read_text()) if log_path.exists() else {}
     curves["args"] = vars(args)
     t0 = time.time()
-    tok = train_tokenizer(work, ARCH.target["vocab_size"])
+    tok = train_tokenizer(work, ARCH.target["vocab_size"], args.pretokenizer)
     if stages <= {"tokenizer"}:
         return
     model = train_target(tok, work, args.target_steps, args.target_seq, args.target_batch,
@@ -526,7 +572,8 @@ def main() -> None:
             random.Random(8).shuffle(seqs)
     if stages & {"drafter", "export"}:
         drafter = train_drafter(model, seqs, work, args.drafter_steps, args.drafter_batch,
-                                args.drafter_anchors, args.drafter_lr, args.drafter_decay, curves)
+                                args.drafter_anchors, args.drafter_lr, args.drafter_decay, curves,
+                                args.drafter_init)
     if "export" in stages:
         export(model, tok, drafter, out)
     curves["wall_seconds"] = curves.get("wall_seconds", 0) + time.time() - t0

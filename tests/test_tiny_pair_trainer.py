@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -74,3 +75,28 @@ def test_trainer_smoke(tmp_path):
         assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16
     hlog = json.loads((out / "training_log_qwen35.json").read_text())
     assert len(hlog["target_train"]) == 2 and len(hlog["drafter_train"]) == 2
+
+
+def test_drafter_init_from_target_copies_the_top_layers():
+    from benchmarks.tiny_pair import train
+    from benchmarks.tiny_pair.dflash_torch import DFlashDrafter
+
+    cfg = train.ARCH.config()
+    cfg.num_hidden_layers, cfg.vocab_size = 3, 64
+    torch.manual_seed(0)
+    model = train.ARCH.model_cls()(cfg)
+    drafter = DFlashDrafter(hidden=cfg.hidden_size, num_features=3, rope_theta=10000.0,
+                            **train.ARCH.drafter)
+    train.init_from_target(drafter, model)
+    for mine, theirs in zip(drafter.layers, model.model.layers[1:]):
+        assert torch.equal(mine.q_proj.weight, theirs.self_attn.q_proj.weight)
+        assert torch.equal(mine.k_norm.weight, theirs.self_attn.k_norm.weight)
+        assert torch.equal(mine.down_proj.weight, theirs.mlp.down_proj.weight)
+        assert torch.equal(mine.post_attention_layernorm.weight,
+                           theirs.post_attention_layernorm.weight)
+    assert torch.equal(drafter.norm.weight, model.model.norm.weight)
+    # a drafter of another shape is refused with the alternative named
+    small = DFlashDrafter(hidden=cfg.hidden_size, num_features=3, rope_theta=10000.0,
+                          **dict(train.ARCH.drafter, inter=8))
+    with pytest.raises(ValueError, match="--drafter-init random"):
+        train.init_from_target(small, model)

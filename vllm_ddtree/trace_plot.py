@@ -92,7 +92,7 @@ def draw_round(record: dict, path: str, title: str | None = None) -> None:
     ax.set_title(title or (
         f"round {record['round']}: {verified} nodes verified, {record['num_accepted']} "
         f"accepted (drafter expected {record['expected']:.2f}), bonus "
-        f"{_label(record.get('bonus_text', ''))!r}"), fontsize=9)
+        f"'{_label(record.get('bonus_text', ''))}'"), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)

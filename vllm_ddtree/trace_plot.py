@@ -46,11 +46,9 @@ def layout(parents: Sequence[int]) -> tuple[list[float], list[float]]:
 
 
 def _label(text: str, width: int = 10) -> str:
-    """A token as a node label: newlines and tabs spelled out, other
-    non-printable characters as escapes (the font has no glyph for them)."""
-    special = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
-    shown = "".join(special.get(c, c) if c.isprintable() or c in special
-                    else f"\\x{ord(c):02x}" if ord(c) < 256 else f"\\u{ord(c):04x}"
+    """A token as a node label: non-printable characters (newlines, tabs,
+    control bytes, which the font has no glyph for) as Python escapes."""
+    shown = "".join(c if c.isprintable() else c.encode("unicode_escape").decode()
                     for c in text)
     return shown if len(shown) <= width else shown[: width - 1] + "…"
 

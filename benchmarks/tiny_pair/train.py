@@ -42,6 +42,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sysconfig
 import time
 from pathlib import Path
@@ -394,13 +395,13 @@ def train_drafter(model, seqs, work: Path, steps: int, bsz: int, anchors: int, l
                             rope_theta=cfg.rope_parameters["rope_theta"], **ARCH.drafter)
     with torch.no_grad():
         drafter.mask_embedding.copy_(model.model.embed_tokens.weight[MASK_ID])
-    if init == "target" and not path.exists():
-        init_from_target(drafter, model)
     if path.exists():
         drafter.load_state_dict(torch.load(path))
         if path.with_suffix(".curves.json").exists():
             curves.update(json.loads(path.with_suffix(".curves.json").read_text()))
         return drafter
+    if init == "target":
+        init_from_target(drafter, model)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -548,8 +549,6 @@ def main() -> None:
     for stage in filter(None, args.redo.split(",")):
         for path in (work / name for name in cached[stage]):
             if path.is_dir():
-                import shutil
-
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()

@@ -81,14 +81,16 @@ def test_drafter_init_from_target_copies_the_top_layers():
     from benchmarks.tiny_pair import train
     from benchmarks.tiny_pair.dflash_torch import DFlashDrafter
 
+    n = train.ARCH.drafter["layers"]
     cfg = train.ARCH.config()
-    cfg.num_hidden_layers, cfg.vocab_size = 3, 64
+    cfg.num_hidden_layers, cfg.vocab_size = n + 1, 64
     torch.manual_seed(0)
     model = train.ARCH.model_cls()(cfg)
     drafter = DFlashDrafter(hidden=cfg.hidden_size, num_features=3, rope_theta=10000.0,
                             **train.ARCH.drafter)
     train.init_from_target(drafter, model)
-    for mine, theirs in zip(drafter.layers, model.model.layers[1:]):
+    assert len(drafter.layers) == n
+    for mine, theirs in zip(drafter.layers, model.model.layers[1:], strict=True):
         assert torch.equal(mine.q_proj.weight, theirs.self_attn.q_proj.weight)
         assert torch.equal(mine.k_norm.weight, theirs.self_attn.k_norm.weight)
         assert torch.equal(mine.down_proj.weight, theirs.mlp.down_proj.weight)
@@ -100,3 +102,28 @@ def test_drafter_init_from_target_copies_the_top_layers():
                           **dict(train.ARCH.drafter, inter=8))
     with pytest.raises(ValueError, match="--drafter-init random"):
         train.init_from_target(small, model)
+
+
+def test_features_are_the_pre_norm_residuals_and_skip_later_layers():
+    """The drafter trains on what vLLM hands it: the residual stream after each
+    layer in TARGET_LAYER_IDS. The trainer stops the target after the last of
+    them; the values must equal a full forward's hidden states."""
+    from benchmarks.tiny_pair import train
+
+    cfg = train.ARCH.config()
+    cfg.num_hidden_layers, cfg.vocab_size = max(train.ARCH.layer_ids) + 2, 64
+    torch.manual_seed(0)
+    model = train.ARCH.model_cls()(cfg).eval()
+    ids = torch.randint(0, 64, (2, 12))
+    hooks = [len(layer._forward_hooks) for layer in model.model.layers]
+    ran = []
+    last = model.model.layers[-1].register_forward_hook(lambda *_: ran.append(1))
+    with torch.no_grad():
+        got = train.features(model, ids)
+        # the trainer's hooks are gone (the last layer keeps only this test's)
+        assert [len(layer._forward_hooks) for layer in model.model.layers[:-1]] == hooks[:-1]
+        assert ran == []  # the layer after the last feature layer never ran
+        hs = model(input_ids=ids, output_hidden_states=True).hidden_states
+    last.remove()
+    want = torch.cat([hs[i + 1] for i in train.ARCH.layer_ids], dim=-1)
+    assert torch.equal(got, want)

@@ -15,10 +15,12 @@ Stages (each caches its result under --work, so a rerun skips what is done):
    of prompts that end after a function's signature and docstring (the shape
    of a code-completion request such as HumanEval's).
 4. ``drafter``: a z-lab-format DFlash drafter (``DFlashDraftModel``,
-   ``block_size`` 16) trained on those continuations with the block objective
+   ``block_size`` 16, 3 layers started as copies of the target's top 3)
+   trained on those continuations with the block objective
    ``[anchor, MASK x 15] -> next 15 target tokens``, conditioned on the
    target's hidden states at ``target_layer_ids``; it shares the target's
-   ``embed_tokens`` and ``lm_head``.
+   ``embed_tokens`` and ``lm_head``. ``benchmarks/tiny_pair/chain_oracle.py``
+   scores the exported drafter's chain acceptance in plain PyTorch.
 
 Outputs: ``<out>/tiny-qwen3`` (target + tokenizer), ``<out>/tiny-qwen3-dflash``
 (drafter), and ``<out>/training_log.json`` with the loss curves.
@@ -64,7 +66,7 @@ TARGET = dict(vocab_size=4096, hidden_size=192, intermediate_size=576, num_hidde
               num_attention_heads=4, num_key_value_heads=2, head_dim=48,
               max_position_embeddings=2048, rope_theta=10000.0)
 TARGET_LAYER_IDS = [0, 1, 2]  # strictly below the last layer (see docs/design.md)
-DRAFTER = dict(layers=2, heads=4, kv_heads=2, head_dim=48, inter=576, block_size=16)
+DRAFTER = dict(layers=3, heads=4, kv_heads=2, head_dim=48, inter=576, block_size=16)
 
 # The hybrid pair: the Qwen3.5 / 3.6 text architecture in miniature. GDN with one
 # K head and three V heads (the 16:48 ratio of Qwen3.6-27B) at head dim 128 (vLLM
@@ -83,14 +85,15 @@ HYBRID_TARGET = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, nu
 # so vLLM's hybrid KV-cache grouping puts all three attention layers in one group
 # (with 2 KV heads the drafter's layers would be split across groups, which
 # vLLM's DFlash refuses).
-HYBRID_DRAFTER = dict(layers=2, heads=4, kv_heads=1, head_dim=64, inter=768, block_size=16)
+HYBRID_DRAFTER = dict(layers=3, heads=4, kv_heads=1, head_dim=64, inter=768, block_size=16)
 
 
 # Training schedules of the bundled pairs (the CLI's defaults for --arch).
 SCHEDULE = dict(pretokenizer="qwen", target_steps=2400, target_seq=384, target_batch=12,
-                distill_seqs=8192, distill_fn_seqs=2048, drafter_steps=2000)
+                distill_seqs=8192, distill_fn_seqs=2048, drafter_steps=4000, drafter_init="target")
 HYBRID_SCHEDULE = dict(pretokenizer="bytelevel", target_steps=600, target_seq=256, target_batch=8,
-                       distill_seqs=2048, distill_fn_seqs=0, drafter_steps=700)
+                       distill_seqs=2048, distill_fn_seqs=0, drafter_steps=700,
+                       drafter_init="random")
 
 # Pre-tokenization before byte-level BPE. "bytelevel" is GPT-2's split, which
 # glues a newline to the indentation after it ("\n    "), so a prompt ending in
@@ -110,7 +113,7 @@ class Arch:
         self.name = name
         self.hybrid = name == "qwen3_5"
         self.target = HYBRID_TARGET if self.hybrid else TARGET
-        self.drafter = HYBRID_DRAFTER if self.hybrid else DRAFTER
+        self.drafter = dict(HYBRID_DRAFTER if self.hybrid else DRAFTER)
         self.layer_ids = TARGET_LAYER_IDS
         self.target_dir = "tiny-qwen35" if self.hybrid else "tiny-qwen3"
         self.log_name = "training_log_qwen35.json" if self.hybrid else "training_log.json"
@@ -358,11 +361,34 @@ def distill_function_starts(model, tok, work: Path, n_seqs: int, new_tokens: int
 
 
 # --------------------------------------------------------------------------- stage 4
-def features(model, ids: torch.Tensor) -> torch.Tensor:
+class _FeaturesDone(Exception):
+    pass
+
+
+def features(model, ids: torch.Tensor, layer_ids: list[int] | None = None) -> torch.Tensor:
     """The target's residual stream after each layer in TARGET_LAYER_IDS (before the
-    final norm): what vLLM hands the drafter as auxiliary hidden states."""
-    hs = model(input_ids=ids, output_hidden_states=True).hidden_states
-    return torch.cat([hs[i + 1] for i in ARCH.layer_ids], dim=-1)
+    final norm): what vLLM hands the drafter as auxiliary hidden states. Runs the
+    target's layers only up to the last one needed (no later layers, no lm_head)."""
+    wanted = ARCH.layer_ids if layer_ids is None else layer_ids
+    layers = model.model.layers
+    taken: dict[int, torch.Tensor] = {}
+
+    def keep(i: int):
+        def hook(_module, _args, output):
+            taken[i] = output[0] if isinstance(output, tuple) else output
+            if len(taken) == len(wanted):
+                raise _FeaturesDone
+        return hook
+
+    handles = [layers[i].register_forward_hook(keep(i)) for i in wanted]
+    try:
+        model.model(input_ids=ids, use_cache=False)
+    except _FeaturesDone:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.cat([taken[i] for i in wanted], dim=-1)
 
 
 @torch.no_grad()
@@ -523,10 +549,12 @@ def main() -> None:
                     help="extra continuations of function-signature+docstring prompts, "
                          "the shape of a code-completion request (0 = none)")
     ap.add_argument("--drafter-steps", type=int, default=None)
+    ap.add_argument("--drafter-layers", type=int, default=None,
+                    help="drafter decoder layers (default: the pair's DRAFTER shape)")
     ap.add_argument("--drafter-batch", type=int, default=16)
     ap.add_argument("--drafter-anchors", type=int, default=4)
     ap.add_argument("--drafter-lr", type=float, default=2e-3)
-    ap.add_argument("--drafter-init", choices=("random", "target"), default="random",
+    ap.add_argument("--drafter-init", choices=("random", "target"), default=None,
                     help="target: start the drafter's layers as copies of the target's top layers")
     ap.add_argument("--drafter-decay", type=float, default=5.0,
                     help="per-position loss weight exp(-(k-1)/decay)")
@@ -539,6 +567,8 @@ def main() -> None:
     for key, value in (HYBRID_SCHEDULE if ARCH.hybrid else SCHEDULE).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.drafter_layers is not None:
+        ARCH.drafter["layers"] = args.drafter_layers
     torch.set_num_threads(args.threads)
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)

@@ -85,7 +85,7 @@ HYBRID_TARGET = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, nu
 # so vLLM's hybrid KV-cache grouping puts all three attention layers in one group
 # (with 2 KV heads the drafter's layers would be split across groups, which
 # vLLM's DFlash refuses).
-HYBRID_DRAFTER = dict(layers=3, heads=4, kv_heads=1, head_dim=64, inter=768, block_size=16)
+HYBRID_DRAFTER = dict(layers=2, heads=4, kv_heads=1, head_dim=64, inter=768, block_size=16)
 
 
 # Training schedules of the bundled pairs (the CLI's defaults for --arch).

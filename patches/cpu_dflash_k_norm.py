@@ -38,6 +38,7 @@ from vllm_ddtree.patches.base import Patch, on_cpu
 _TARGET = "vllm.model_executor.models.qwen3_dflash:DFlashQwen3Model._normalize_context_k"
 
 
+@functools.lru_cache(maxsize=1)
 def grouped_rms_norm_ok() -> bool:
     """Whether vLLM's ``rms_norm`` op picks one weight row per outermost index
     (what ``_normalize_context_k`` assumes), probed on a small CPU tensor."""

@@ -96,7 +96,7 @@ class StepTimer:
 
 def _instrument(llm, timer: StepTimer, ddtree: bool, c_ref: list[int]):
     import vllm_ddtree.proposer as proposer_mod
-    import vllm_ddtree.tree as tree_mod
+    import vllm_ddtree.core.tree as tree_mod
     from vllm.model_executor.layers.attention import Attention
 
     core = llm.llm_engine.engine_core.engine_core
@@ -156,7 +156,7 @@ def _instrument(llm, timer: StepTimer, ddtree: bool, c_ref: list[int]):
             module.impl.forward = attn_forward
 
     if ddtree:
-        from vllm_ddtree.round import TreeRound
+        from vllm_ddtree.core.round import TreeRound
 
         TreeRound.plan = classmethod(timer.timed(TreeRound.plan.__func__, "plan"))
         timer.wrap(TreeRound, "compact", "compaction")

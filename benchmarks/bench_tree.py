@@ -1,6 +1,6 @@
 """Tree construction speed on CPU: batched on-device top-B versus a best-first heap.
 
-Ours: ``build_tree`` + ``ancestor_mask`` + ``walk`` (vllm_ddtree.tree), all
+Ours: ``build_tree`` + ``ancestor_mask`` + ``walk`` (vllm_ddtree.core.tree), all
 batched torch ops with no host synchronisation.
 
 Reference: the per-request best-first heap used by DDTree's reference code:
@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from vllm_ddtree.tree import ancestor_mask, build_tree, walk
+from vllm_ddtree.core.tree import ancestor_mask, build_tree, walk
 
 
 def heap_tree(logits: torch.Tensor, budget: int):

@@ -13,7 +13,7 @@ each verifying a 65-node tree (random parents in flat order, S = 64):
 3. if vLLM is importable (optional), compares the chain with vLLM's stock
    ``causal_conv1d_update`` / ``fused_sigmoid_gating_delta_rule_update``;
 4. times tree vs chain (and a small tile sweep, and the engine's commit after
-   the walk, ``vllm_ddtree.gdn_tree.commit_columns`` / ``commit_layer``).
+   the walk, ``vllm_ddtree.core.gdn_tree.commit_columns`` / ``commit_layer``).
 
 Conv buffers and SSM states share one slot space, as in vLLM: a request's
 conv slot is column 0 of its state-index row.
@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.pop("TRITON_INTERPRET", None)
 
 try:
-    from vllm_ddtree import gdn_tree as gdn_commit
+    from vllm_ddtree.core import gdn_tree as gdn_commit
     from vllm_ddtree.kernels import gdn_tree as gt
     from vllm_ddtree.kernels import gdn_tree_reference as ref
 except ImportError:  # not installed: map the package onto this checkout
@@ -50,7 +50,7 @@ except ImportError:  # not installed: map the package onto this checkout
         mod = types.ModuleType(name)
         mod.__path__ = [str(path)]
         sys.modules[name] = mod
-    from vllm_ddtree import gdn_tree as gdn_commit  # torch only, no vLLM
+    from vllm_ddtree.core import gdn_tree as gdn_commit  # torch only, no vLLM
     from vllm_ddtree.kernels import gdn_tree as gt
     from vllm_ddtree.kernels import gdn_tree_reference as ref
 

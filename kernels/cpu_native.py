@@ -2,7 +2,7 @@
 
 Three entry points: tree attention over vLLM's paged CPU cache
 (:func:`tree_attention_native`), tree construction (:func:`build_tree_native`,
-the same trees as :func:`vllm_ddtree.tree.build_tree`) and KV compaction
+the same trees as :func:`vllm_ddtree.core.tree.build_tree`) and KV compaction
 (:func:`move_slots_native`). The file is plain C with no Python or torch headers, so it compiles in a
 second or two with the system C compiler (the one vLLM CPU's torch.compile
 needs anyway). It is built on first use into a per-user cache directory
@@ -193,7 +193,7 @@ def tree_attention_native(
 
 def build_tree_native(lib: NativeKernels, logprobs: torch.Tensor, budget: int,
                       budgets: torch.Tensor | None = None):
-    """:func:`vllm_ddtree.tree.build_tree` on CPU in one native call.
+    """:func:`vllm_ddtree.core.tree.build_tree` on CPU in one native call.
 
     ``logprobs`` is the drafter's log-softmax ``[b, K, V]`` (float32, CPU);
     returns ``(tokens, parents, depth, logq, valid)`` as ``build_tree`` does

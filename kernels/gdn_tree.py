@@ -37,7 +37,7 @@ hand). Tokens of a request must fit its buffers: ``q_i <= S + 1`` and
 ``W - 2 + q_i <= state_len``.
 
 The commit after the tree walk is not here: it is
-``vllm_ddtree.gdn_tree.commit_columns`` / ``commit_layer``, device-agnostic
+``vllm_ddtree.core.gdn_tree.commit_columns`` / ``commit_layer``, device-agnostic
 torch shared by the CPU and CUDA paths, which copies the accepted node's state
 into column 0 and the accepted path's last ``W - 1`` inputs into conv columns
 ``[0, W - 1)`` and so leaves every request at ``num_accepted = 1``.

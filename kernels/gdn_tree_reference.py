@@ -66,7 +66,7 @@ for a branching tree because branches re-read their parent's column.
 Commit
 ------
 Neither this module nor the kernels commit. After the tree walk the engine
-commits with ``vllm_ddtree.gdn_tree.commit_columns`` / ``commit_layer``
+commits with ``vllm_ddtree.core.gdn_tree.commit_columns`` / ``commit_layer``
 (device-agnostic torch, shared by the CPU and CUDA paths): the accepted
 node's state is copied into column 0 and the last ``W - 1`` inputs along the
 accepted path into conv columns ``[0, W - 1)``, which leaves every request at

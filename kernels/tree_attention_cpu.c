@@ -220,7 +220,7 @@ int ddtree_tree_attention(
 /* ------------------------------------------------------------------------
  * Tree construction on CPU: the `budget` most probable prefixes per request.
  *
- * The semantics of vllm_ddtree.tree.build_tree: `lp` holds the drafter's
+ * The semantics of vllm_ddtree.core.tree.build_tree: `lp` holds the drafter's
  * per-position log-probabilities [b, K, V] (float32, log-softmax already
  * applied); prefix u = (u_1..u_d) scores sum_i lp[i][u_i], accumulated in
  * depth order in fp32. Nodes come out in flat order: score descending,

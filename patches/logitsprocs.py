@@ -19,7 +19,7 @@ from vllm_ddtree.patches.base import Patch
 def _build(original):
     def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model,
                           custom_logitsprocs=()):
-        from vllm_ddtree.config import ddtree_runtime
+        from vllm_ddtree.core.config import ddtree_runtime
 
         if ddtree_runtime(vllm_config) is None or is_pooling_model or custom_logitsprocs:
             return original(vllm_config, device, is_pin_memory, is_pooling_model,

@@ -23,7 +23,7 @@ def _build_cpu(original):
 
 def _build_cuda(original):
     def _make_model_runner(self):
-        from vllm_ddtree.config import ddtree_runtime
+        from vllm_ddtree.core.config import ddtree_runtime
 
         if ddtree_runtime(self.vllm_config) is None:
             return original(self)

@@ -4,7 +4,7 @@ vLLM's ``SpeculativeConfig`` is a pydantic dataclass with ``extra="forbid"``
 and a closed list of methods, and vLLM has no registry for new methods. We
 wrap ``EngineArgs.create_speculative_config`` (it runs in the front-end
 process, after plugins are loaded and before any engine process starts):
-a ``ddtree`` config is validated by :class:`vllm_ddtree.config.DDTreeConfig`,
+a ``ddtree`` config is validated by :class:`vllm_ddtree.core.config.DDTreeConfig`,
 built as ``dflash`` and tagged with ``speculative_config.ddtree``.
 Everything else passes through untouched.
 
@@ -30,7 +30,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from vllm_ddtree.config import (
+from vllm_ddtree.core.config import (
     METHOD,
     DDTreeConfig,
     DDTreeConfigError,
@@ -39,7 +39,7 @@ from vllm_ddtree.config import (
 )
 from vllm_ddtree.attention import CUDA_BACKEND_NAME
 from vllm_ddtree.patches.base import Patch
-from vllm_ddtree.stats import new_stats_dir
+from vllm_ddtree.core.stats import new_stats_dir
 
 
 logger = init_logger("vllm.ddtree")

@@ -18,7 +18,7 @@ from vllm_ddtree.patches.base import Patch
 def _build(original):
     def __init__(self, vllm_config, *args, **kwargs):
         original(self, vllm_config, *args, **kwargs)
-        from vllm_ddtree.config import ddtree_runtime
+        from vllm_ddtree.core.config import ddtree_runtime
 
         runtime = ddtree_runtime(vllm_config)
         if runtime is not None and runtime.stats_dir:

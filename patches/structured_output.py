@@ -19,7 +19,7 @@ from vllm_ddtree.patches.base import Patch
 
 
 def _ddtree_on(vllm_config) -> bool:
-    from vllm_ddtree.config import ddtree_runtime
+    from vllm_ddtree.core.config import ddtree_runtime
 
     return ddtree_runtime(vllm_config) is not None
 

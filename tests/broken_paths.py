@@ -3,7 +3,7 @@
 Each function is a ``benchmarks.run_llm`` ``setup`` hook: it runs in the
 engine's process before the engine starts, so the job must set
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``. The replacement goes into
-``vllm_ddtree.tree``, through which the runner calls the tree algorithms; any
+``vllm_ddtree.core.tree``, through which the runner calls the tree algorithms; any
 other ``vllm_ddtree`` module that imported the function by name gets it too.
 """
 
@@ -16,7 +16,7 @@ import torch
 
 def _replace(name: str, fn) -> None:
     import vllm_ddtree.runner  # noqa: F401  (imports the modules that use the tree functions)
-    import vllm_ddtree.tree as tree
+    import vllm_ddtree.core.tree as tree
 
     real = getattr(tree, name)
     for mod_name, mod in list(sys.modules.items()):
@@ -33,7 +33,7 @@ def root_only_mask() -> None:
     the root sample stays right: only tokens decided by deeper nodes (and the
     K/V those nodes leave in the cache) go wrong.
     """
-    import vllm_ddtree.tree as tree
+    import vllm_ddtree.core.tree as tree
 
     real = tree.ancestor_mask
 
@@ -50,7 +50,7 @@ def accept_first_draft() -> None:
     The first node (the drafter's most probable first token) is then always
     accepted, which breaks the distribution of the token after the root.
     """
-    import vllm_ddtree.tree as tree
+    import vllm_ddtree.core.tree as tree
 
     real = tree.walk
 

@@ -27,7 +27,7 @@ def off_first_branch(parents: list[int], path: list[int], accepted: int) -> bool
 
 
 def record_paths() -> None:
-    from vllm_ddtree import round as round_mod
+    from vllm_ddtree.core import round as round_mod
     from vllm_ddtree.structured import GrammarTimer
 
     log = os.environ[ENV_LOG]
@@ -72,7 +72,7 @@ def chain_trees() -> None:
     import torch
 
     from vllm_ddtree import proposer
-    from vllm_ddtree.tree import DraftTree
+    from vllm_ddtree.core.tree import DraftTree
 
     def chain(logits, budget, budgets=None):
         lp = torch.log_softmax(logits.float(), dim=-1)

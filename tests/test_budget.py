@@ -1,4 +1,4 @@
-"""The adaptive tree budget (vllm_ddtree/budget.py): the batch-optimal choice,
+"""The adaptive tree budget (vllm_ddtree/core/budget.py): the batch-optimal choice,
 the calibration and the cost model, against brute force and known answers."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from vllm_ddtree.budget import (CAL_BINS, AdaptivePolicy, Calibration, CostModel,
+from vllm_ddtree.core.budget import (CAL_BINS, AdaptivePolicy, Calibration, CostModel,
                                 PiecewiseLinear, choose_budgets, isotonic_decreasing, ladder,
                                 parse_pinned_cost)
-from vllm_ddtree.tree import build_tree
+from vllm_ddtree.core.tree import build_tree
 
 
 def _linear_cost(num_reqs, width, a, b, d):

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from vllm_ddtree.config import DEFAULT_BUDGET, MAX_BUDGET, DDTreeConfig, DDTreeConfigError
+from vllm_ddtree.core.config import DEFAULT_BUDGET, MAX_BUDGET, DDTreeConfig, DDTreeConfigError
 from vllm_ddtree.plugin import register
 
 
@@ -53,7 +53,7 @@ def test_fixed_budget_option(tiny_pair):
 
 @pytest.mark.parametrize("value", ["false", 0, None])
 def test_adaptive_must_be_a_boolean(value):
-    from vllm_ddtree.config import DDTreeConfig
+    from vllm_ddtree.core.config import DDTreeConfig
 
     with pytest.raises(DDTreeConfigError, match=r"speculative_config\.ddtree_adaptive"):
         DDTreeConfig.from_speculative_dict({"method": "ddtree", "model": "m",

@@ -25,10 +25,10 @@ from vllm.v1.attention.backends.cpu_attn import (  # noqa: E402
 )
 
 from vllm_ddtree import attention as dda  # noqa: E402
-from vllm_ddtree.compaction import kv_capture  # noqa: E402
+from vllm_ddtree.core.compaction import kv_capture  # noqa: E402
 from vllm_ddtree.kernels.cache_layout import split_kv_cache_cpu_vec  # noqa: E402
 from vllm_ddtree.kernels.reference import tree_attention_reference  # noqa: E402
-from vllm_ddtree.tree_info import TreeAttentionInfo  # noqa: E402
+from vllm_ddtree.core.tree_info import TreeAttentionInfo  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -82,7 +82,7 @@ def test_engine_config_refuses_an_unknown_target_clearly(tiny_pair, tmp_path):
 
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_ddtree.config import DDTreeConfigError
+    from vllm_ddtree.core.config import DDTreeConfigError
 
     lone = tmp_path / "lone-target"
     shutil.copytree(tiny_pair[0], lone)

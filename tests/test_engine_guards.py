@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.conftest import run_job
-from vllm_ddtree.config import DDTreeConfigError
+from vllm_ddtree.core.config import DDTreeConfigError
 from vllm_ddtree.plugin import register
 
 
@@ -177,7 +177,7 @@ def test_hybrid_prefix_caching_is_off_by_default_and_refused_when_asked(tiny_hyb
 
 
 def test_more_than_one_target_kv_group_is_refused():
-    from vllm_ddtree.round import DDTreeSeamError
+    from vllm_ddtree.core.round import DDTreeSeamError
     from vllm_ddtree.runner import target_kv_cache_group
 
     def cfg(*groups):

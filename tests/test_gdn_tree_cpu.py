@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from vllm_ddtree.gdn import GDNTreeStep, cpu_tree_spec_forward
-from vllm_ddtree.gdn_tree import build_plan, commit_columns
+from vllm_ddtree.core.gdn_tree import build_plan, commit_columns
 
 gdn_attention = pytest.importorskip("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention")
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (  # noqa: E402
@@ -213,7 +213,7 @@ def test_commit_then_stock_step_equals_fresh_chain():
     acc = torch.tensor([len(p) - 1 for p in paths])
     state_col, conv_cols = commit_columns(path_t, acc, W)
     skipped_conv, skipped_ssm = conv.clone(), ssm.clone()
-    from vllm_ddtree.gdn_tree import commit_layer
+    from vllm_ddtree.core.gdn_tree import commit_layer
 
     commit_layer(conv_view(conv), ssm, md.spec_state_indices_tensor, state_col, conv_cols)
     m = 3

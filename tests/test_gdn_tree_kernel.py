@@ -1,5 +1,5 @@
 """Tree Gated DeltaNet spec-decode kernels: torch reference, Triton kernels,
-and the engine's commit after the walk (``vllm_ddtree.gdn_tree``).
+and the engine's commit after the walk (``vllm_ddtree.core.gdn_tree``).
 
 Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 is
 set here before the kernel module is imported). With a GPU they run natively.
@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace  # noqa: E402
 
 import pytest  # noqa: E402
 
-from vllm_ddtree.gdn_tree import commit_columns, commit_layer  # noqa: E402
+from vllm_ddtree.core.gdn_tree import commit_columns, commit_layer  # noqa: E402
 from vllm_ddtree.kernels import gdn_tree as gt  # noqa: E402
 from vllm_ddtree.kernels import gdn_tree_reference as ref  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Node histories and the grammar walk over trees (``vllm_ddtree/node_history.py``)."""
+"""Node histories and the grammar walk over trees (``vllm_ddtree/core/node_history.py``)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from vllm_ddtree.node_history import (keep_nodes, node_depths, node_paths, path_token_counts,
+from vllm_ddtree.core.node_history import (keep_nodes, node_depths, node_paths, path_token_counts,
                                       prune_tree, renumber, row_index, walk_grammar)
-from vllm_ddtree.tree import DraftTree
+from vllm_ddtree.core.tree import DraftTree
 
 
 def random_tree(rng: random.Random, n: int, vocab: int) -> tuple[list[int], list[int]]:

@@ -15,9 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_ddtree import tree as tree_ops
-from vllm_ddtree.compaction import kv_capture
-from vllm_ddtree.round import ProposedTrees, TreeRound
+from vllm_ddtree.core import tree as tree_ops
+from vllm_ddtree.core.compaction import kv_capture
+from vllm_ddtree.core.round import ProposedTrees, TreeRound
 
 B, K, V = 8, 4, 11
 SYNCS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu",

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from vllm_ddtree import stats
-from vllm_ddtree.stats import (
+from vllm_ddtree.core import stats
+from vllm_ddtree.core.stats import (
     HIST_BINS,
     CounterReader,
     CounterWriter,
@@ -115,7 +115,7 @@ def _sample(name: str, labels: dict | None = None) -> float | None:
 
 def test_stat_logger_exports_increments_once(tmp_path):
     pytest.importorskip("vllm")
-    from vllm_ddtree.config import DDTreeRuntime
+    from vllm_ddtree.core.config import DDTreeRuntime
     from vllm_ddtree.metrics import DDTreeStatLogger
 
     runtime = DDTreeRuntime(budget=16, depth=15, block_size=16, stats_dir=str(tmp_path))
@@ -170,7 +170,7 @@ def test_device_totals_add_what_the_per_request_lists_add(tmp_path):
     totals at once; the counters must equal the per-request path."""
     import torch
 
-    from vllm_ddtree.round import StepCounts
+    from vllm_ddtree.core.round import StepCounts
 
     a = CounterWriter(str(tmp_path / "a.bin"))
     b = CounterWriter(str(tmp_path / "b.bin"))

@@ -24,11 +24,11 @@ from vllm.v1.attention.backends import triton_attn  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 
 from vllm_ddtree import attention as dda  # noqa: E402
-from vllm_ddtree.compaction import kv_capture  # noqa: E402
+from vllm_ddtree.core.compaction import kv_capture  # noqa: E402
 from vllm_ddtree.kernels import tree_attention as ta  # noqa: E402
 from vllm_ddtree.kernels.cache_layout import split_kv_cache_nhd  # noqa: E402
 from vllm_ddtree.kernels.reference import tree_attention_reference  # noqa: E402
-from vllm_ddtree.tree_info import TreeAttentionInfo  # noqa: E402
+from vllm_ddtree.core.tree_info import TreeAttentionInfo  # noqa: E402
 
 if not torch.cuda.is_available() and not ta.INTERPRETED:
     pytest.skip("kernel imported without TRITON_INTERPRET=1", allow_module_level=True)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_ddtree.tree import build_tree
+from vllm_ddtree.core.tree import build_tree
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -207,7 +207,7 @@ def test_rows_are_independent_of_batch():
 
 
 def test_order_key_breaks_ties_by_position_and_treats_signed_zeros_alike():
-    from vllm_ddtree.tree import _descending_key
+    from vllm_ddtree.core.tree import _descending_key
 
     vals = [0.0, -0.0, -1e-45, -3.5, float("-inf"), -0.0, 0.0, -3.5, -1e-30, float("-inf"), -2.0]
     x = torch.tensor([vals], dtype=torch.float32)

@@ -2,8 +2,8 @@
 
 import torch
 
-from vllm_ddtree.compaction import compaction_rows
-from vllm_ddtree.tree import ancestor_mask, build_tree, walk
+from vllm_ddtree.core.compaction import compaction_rows
+from vllm_ddtree.core.tree import ancestor_mask, build_tree, walk
 
 K, V, B = 4, 24, 40
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from scipy import stats
 
-from vllm_ddtree.tree import build_tree, sample_posterior, walk
+from vllm_ddtree.core.tree import build_tree, sample_posterior, walk
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

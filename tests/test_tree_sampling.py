@@ -5,7 +5,7 @@ import pytest
 import torch
 from scipy import stats
 
-from vllm_ddtree.tree import process_logits, sample_posterior
+from vllm_ddtree.core.tree import process_logits, sample_posterior
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -7,7 +7,7 @@ path and the top-k-only path) and ``MinPLogitsProcessor.apply``.
 import pytest
 import torch
 
-from vllm_ddtree.tree import SAMPLING_EPS, process_logits
+from vllm_ddtree.core.tree import SAMPLING_EPS, process_logits
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

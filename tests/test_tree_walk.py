@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_ddtree.compaction import compaction_rows
-from vllm_ddtree.tree import ancestor_mask, build_tree, walk
+from vllm_ddtree.core.compaction import compaction_rows
+from vllm_ddtree.core.tree import ancestor_mask, build_tree, walk
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

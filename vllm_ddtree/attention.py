@@ -3,9 +3,9 @@
 Contract with the model runner
 ------------------------------
 For a verification step the runner attaches a
-:class:`~vllm_ddtree.tree_info.TreeAttentionInfo` to the target model's
+:class:`~vllm_ddtree.core.tree_info.TreeAttentionInfo` to the target model's
 per-layer attention metadata object (``attn_metadata.ddtree``, see
-``vllm_ddtree/round.py``). A missing or ``None`` ``ddtree`` attribute means
+``vllm_ddtree/core/round.py``). A missing or ``None`` ``ddtree`` attribute means
 "no tree in this step", and then every backend here behaves exactly like
 stock vLLM. Every impl here derives from :class:`TreeAttentionImplMixin`,
 which is what the runner's start-up guard looks for on each target layer.
@@ -30,7 +30,7 @@ Backends
   when tree info is present and the stock kernel otherwise.
 
 Both impls report each cache write (``do_kv_cache_update``) and each forward
-that applied a tree mask to :data:`~vllm_ddtree.compaction.kv_capture`, and
+that applied a tree mask to :data:`~vllm_ddtree.core.compaction.kv_capture`, and
 expose their cache as strided K/V views (``tree_kv_views``), so the round can
 compact accepted nodes' K/V by slot with the backend's own cache write and
 prove every target layer took the tree path.
@@ -51,8 +51,8 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-from vllm_ddtree.compaction import kv_capture
-from vllm_ddtree.config import ddtree_runtime
+from vllm_ddtree.core.compaction import kv_capture
+from vllm_ddtree.core.config import ddtree_runtime
 from vllm_ddtree.kernels import cpu_native
 from vllm_ddtree.kernels.cache_layout import split_kv_cache_cpu_vec, split_kv_cache_nhd
 from vllm_ddtree.kernels.tree_attention_cpu import (
@@ -60,7 +60,7 @@ from vllm_ddtree.kernels.tree_attention_cpu import (
     plan_tree_batch,
     tree_attention_batched,
 )
-from vllm_ddtree.tree_info import TreeAttentionInfo, get_tree_info
+from vllm_ddtree.core.tree_info import TreeAttentionInfo, get_tree_info
 
 try:  # importable on CPU hosts too; only run on CUDA
     from vllm.v1.attention.backends.triton_attn import (

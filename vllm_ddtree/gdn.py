@@ -1,6 +1,6 @@
 """The vLLM side of tree verification on Gated DeltaNet layers.
 
-The algorithm and its index plan are in ``vllm_ddtree/gdn_tree.py``. Here:
+The algorithm and its index plan are in ``vllm_ddtree/core/gdn_tree.py``. Here:
 
 * :class:`GDNTreeStep`, one per verification step of a hybrid target: the
   local parent of every token row, the plan (built at the first GDN layer and
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vllm_ddtree.gdn_tree import TreePlan, build_plan, commit_columns, commit_layer
+from vllm_ddtree.core.gdn_tree import TreePlan, build_plan, commit_columns, commit_layer
 
 __all__ = ["GDNTreeStep", "active_step", "cpu_tree_spec_forward", "state_bytes_per_request",
            "tree_step"]

@@ -3,7 +3,7 @@
 :class:`DDTreeStatLogger` is one more of vLLM's stat loggers (installed next to
 the Prometheus logger when DDTree is on, see ``patches/stat_loggers.py``). On
 every engine step it reads the engine's cumulative counters from the file the
-runner writes (:mod:`vllm_ddtree.stats`) and exports the increase:
+runner writes (:mod:`vllm_ddtree.core.stats`) and exports the increase:
 
 =====================================  =========  ===============================
 metric                                 type       meaning
@@ -49,8 +49,8 @@ import prometheus_client
 from vllm.logger import init_logger
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 
-from vllm_ddtree.config import ddtree_runtime
-from vllm_ddtree.stats import (CAL_BINS, CHOSEN_BINS, COST_GAUGES, CounterReader, Snapshot,
+from vllm_ddtree.core.config import ddtree_runtime
+from vllm_ddtree.core.stats import (CAL_BINS, CHOSEN_BINS, COST_GAUGES, CounterReader, Snapshot,
                                stats_file)
 
 logger = init_logger("vllm.ddtree")

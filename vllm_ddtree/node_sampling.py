@@ -2,7 +2,7 @@
 logprobs of the tokens a tree walk outputs.
 
 vLLM's ``Sampler`` transforms one row per request; a verification step has
-one row per tree node (see :mod:`vllm_ddtree.node_history` for the row
+one row per tree node (see :mod:`vllm_ddtree.core.node_history` for the row
 layout). :func:`process_nodes` applies, to every node row, what the sampler
 would have applied to that request had the node's path been generated, in
 the sampler's order (``Sampler.apply_logits_processors``):
@@ -15,7 +15,7 @@ the sampler's order (``Sampler.apply_logits_processors``):
    node's path).
 
 Temperature, ``min_p``, top-k and top-p follow in
-:func:`vllm_ddtree.tree.sample_posterior`. A grammar's bitmask has been
+:func:`vllm_ddtree.core.tree.sample_posterior`. A grammar's bitmask has been
 applied to every node row before (``patches/structured_output.py``).
 
 With DDTree the runner builds all three built-in logits processors (vLLM
@@ -35,8 +35,8 @@ from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
                                                      MinTokensLogitsProcessor)
 from vllm.v1.sample.ops.bad_words import apply_bad_words
 
-from vllm_ddtree.node_history import node_depths, node_paths, path_token_counts
-from vllm_ddtree.round import DDTreeSeamError
+from vllm_ddtree.core.node_history import node_depths, node_paths, path_token_counts
+from vllm_ddtree.core.round import DDTreeSeamError
 
 __all__ = ["NodeRows", "logprobs_of_outputs", "min_p_per_request", "needs_processing",
            "process_nodes"]

@@ -7,7 +7,7 @@ One drafting step, top-down:
    drafter positions in use).
 2. Instead of the per-position argmax we keep the drafter's logits
    ``[batch, depth, V]`` (:meth:`_sample_draft_tokens`).
-3. :func:`vllm_ddtree.tree.build_tree` turns them into the ``budget`` most
+3. :func:`vllm_ddtree.core.tree.build_tree` turns them into the ``budget`` most
    probable prefixes per request, in flat order (parents before children).
    On CPU the same trees come from one native call
    (``kernels/cpu_native.py``) when its kernels are available.
@@ -34,9 +34,9 @@ from vllm.config import VllmConfig, get_layers_from_vllm_config
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree.config import ddtree_runtime
+from vllm_ddtree.core.config import ddtree_runtime
 from vllm_ddtree.kernels import cpu_native
-from vllm_ddtree.tree import DraftTree, build_tree
+from vllm_ddtree.core.tree import DraftTree, build_tree
 
 
 class DDTreeProposer(DFlashProposer):

@@ -2,7 +2,7 @@
 
 :class:`DDTreeRunnerMixin` behaves exactly like the stock runner unless
 ``speculative_config.ddtree`` is set. With DDTree on, each runner hook below
-is a short delegation to the step's :class:`~vllm_ddtree.round.TreeRound`,
+is a short delegation to the step's :class:`~vllm_ddtree.core.round.TreeRound`,
 whose docstring gives the order of a round:
 
 =============================  ==============================================
@@ -48,19 +48,19 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.outputs import SamplerOutput
 
 from vllm_ddtree.attention import TreeAttentionImplMixin
-from vllm_ddtree.budget import (AdaptivePolicy, CostModel, PiecewiseLinear, ladder,
+from vllm_ddtree.core.budget import (AdaptivePolicy, CostModel, PiecewiseLinear, ladder,
                                 parse_pinned_cost)
-from vllm_ddtree.config import ddtree_runtime
+from vllm_ddtree.core.config import ddtree_runtime
 from vllm_ddtree.gdn import GDNTreeStep, tree_step
-from vllm_ddtree.node_history import (chain_parents, keep_nodes, node_depths,
+from vllm_ddtree.core.node_history import (chain_parents, keep_nodes, node_depths,
                                       row_index)
 from vllm_ddtree.node_sampling import (NodeRows, logprobs_of_outputs, min_p_per_request,
                                        needs_processing, process_nodes)
 from vllm_ddtree.proposer import DDTreeProposer
-from vllm_ddtree.round import DDTreeSeamError, ProposedTrees, TreeRound
-from vllm_ddtree.stats import CounterWriter, stats_file
+from vllm_ddtree.core.round import DDTreeSeamError, ProposedTrees, TreeRound
+from vllm_ddtree.core.stats import CounterWriter, stats_file
 from vllm_ddtree.structured import DDTreeDraftTokenIds
-from vllm_ddtree.tree import process_logits
+from vllm_ddtree.core.tree import process_logits
 
 logger = init_logger("vllm.ddtree")
 
@@ -88,7 +88,7 @@ class DDTreeRunnerMixin:
         # Per-step consistency checks that read device tensors back (debugging).
         self.ddtree_debug = os.environ.get(ENV_DEBUG, "0").strip().lower() in ("1", "true",
                                                                                 "yes", "on")
-        # The adaptive budget (vllm_ddtree/budget.py): created with its cost
+        # The adaptive budget (vllm_ddtree/core/budget.py): created with its cost
         # profile after warm-up, or at the first step.
         self.ddtree_policy: AdaptivePolicy | None = None
         self.ddtree_budgets: torch.Tensor | None = None  # [R] of the last drafts

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from vllm.logger import init_logger
 from vllm.v1.outputs import DraftTokenIds
 
-from vllm_ddtree.node_history import chain_parents, prune_tree, renumber, walk_grammar
+from vllm_ddtree.core.node_history import chain_parents, prune_tree, renumber, walk_grammar
 
 logger = init_logger("vllm.ddtree")
 

@@ -14,7 +14,7 @@ and writes, in ``--out``:
   accepted path highlighted;
 * ``summary.png``: acceptance length per round, and expected vs realised.
 
-Rounds are recorded through :data:`vllm_ddtree.round.ROUND_OBSERVERS`.
+Rounds are recorded through :data:`vllm_ddtree.core.round.ROUND_OBSERVERS`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class TraceRecorder:
         self.rounds = 0
 
     def __call__(self, rnd, output_tokens) -> None:
-        from vllm_ddtree.node_history import node_depths
+        from vllm_ddtree.core.node_history import node_depths
 
         self.rounds += 1
         counts = rnd.node_counts
@@ -73,7 +73,7 @@ def run_trace(model: str, speculative_config: dict, prompt: str, max_tokens: int
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the observer runs here
     from vllm import LLM, SamplingParams
 
-    from vllm_ddtree import round as round_mod
+    from vllm_ddtree.core import round as round_mod
 
     recorder = TraceRecorder()
     round_mod.ROUND_OBSERVERS.append(recorder)

@@ -2,7 +2,7 @@
 
 The runner attaches one :class:`TreeAttentionInfo` to the target model's
 per-layer attention metadata as ``metadata.ddtree`` (see
-``vllm_ddtree/round.py``); the DDTree attention impls read it
+``vllm_ddtree/core/round.py``); the DDTree attention impls read it
 (``vllm_ddtree/attention.py``). No vLLM imports.
 """
 

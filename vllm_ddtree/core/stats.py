@@ -62,7 +62,7 @@ FIELDS = ("steps", "drafts", "tree_drafts", "nodes", "accepted", "expected")
 HIST_BINS = 64  # accepted depths 0..63; DFlash blocks are at most 32 wide in practice
 POLICY_FIELDS = ("decided_steps", "plain_steps", "chosen_nodes")
 CHOSEN_BINS = 16  # 0, 1, 2-3, 4-7, ..., >= 2**14 nodes per decision
-CAL_BINS = 32  # = vllm_ddtree.budget.CAL_BINS
+CAL_BINS = 32  # = vllm_ddtree.core.budget.CAL_BINS
 COST_GAUGES = ("plain_step", "tree_step", "draft", "per_node")
 _MAGIC = 0x44445453  # "DDTS"
 _VERSION = 2

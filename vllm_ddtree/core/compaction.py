@@ -48,7 +48,7 @@ def compaction_rows(path: Tensor, num_accepted: Tensor, query_start: Tensor,
     root onto itself, so the shapes stay static.
 
     ``path`` ``[R, 1+B]`` and ``num_accepted`` ``[R]`` come from
-    :func:`vllm_ddtree.tree.walk`. An accepted path is never longer than the
+    :func:`vllm_ddtree.core.tree.walk`. An accepted path is never longer than the
     drafter depth, so only ``D = min(max_depth, B)`` columns are formed.
     ``path[k] >= k``, so applying the moves in ascending ``k`` in place would
     be safe as well; :meth:`KVCapture.compact` reads every source first.

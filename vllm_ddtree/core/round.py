@@ -17,7 +17,7 @@ calls one method per vLLM hook, in this order:
    (argmax, or one draw from the request's processed distribution), the
    tree walk, and the rows the accepted nodes move to.
 5. :meth:`TreeRound.compact`: move the accepted nodes' K/V into contiguous
-   slots (``vllm_ddtree/compaction.py``).
+   slots (``vllm_ddtree/core/compaction.py``).
 6. :meth:`TreeRound.condition` (``propose_draft_token_ids``): put the
    accepted rows first in the drafter's inputs and restore sequential
    positions, so vLLM's DFlash "rejected suffix" logic applies unchanged.
@@ -47,10 +47,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vllm_ddtree import tree as tree_ops
-from vllm_ddtree.compaction import compaction_rows, kv_capture
-from vllm_ddtree.stats import HIST_BINS
-from vllm_ddtree.tree_info import TreeAttentionInfo
+from vllm_ddtree.core import tree as tree_ops
+from vllm_ddtree.core.compaction import compaction_rows, kv_capture
+from vllm_ddtree.core.stats import HIST_BINS
+from vllm_ddtree.core.tree_info import TreeAttentionInfo
 
 __all__ = ["DDTreeSeamError", "ProposedTrees", "StepCounts", "TreeRound"]
 
@@ -79,7 +79,7 @@ class StepCounts:
 
     def totals(self) -> Tensor:
         """float64 ``[len(stats.FIELDS) + stats.HIST_BINS]``: the step's
-        counters in the order of ``vllm_ddtree/stats.py`` (requests that
+        counters in the order of ``vllm_ddtree/core/stats.py`` (requests that
         verified at least one node only), summed on the device."""
         walked = self.num_nodes > 0
         w = walked.double()

@@ -11,7 +11,7 @@ used had that path been generated.
 Rows are the target's logits rows of one verification step, request by
 request, root first: request ``r`` owns rows ``start[r] .. start[r] + n[r]``
 and row ``start[r] + j`` is its node ``j`` (``0`` = the root). Parents are
-flat indices, ``0`` the root, as in :class:`vllm_ddtree.tree.DraftTree`, and
+flat indices, ``0`` the root, as in :class:`vllm_ddtree.core.tree.DraftTree`, and
 every parent comes before its children.
 
 The grammar walk takes a duck-typed grammar with vLLM's
@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from vllm_ddtree.tree import DraftTree
+from vllm_ddtree.core.tree import DraftTree
 
 __all__ = ["Grammar", "chain_parents", "keep_nodes", "node_depths", "node_paths", "path_token_counts",
            "prune_tree", "renumber", "row_index", "walk_grammar"]

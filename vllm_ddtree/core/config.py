@@ -9,7 +9,7 @@ Users write::
   the target verifies per request and step (the root is extra). Default 32,
   at most 512.
 * ``ddtree_adaptive`` (default true): per step, the batch-optimal number of
-  nodes for each request, 0 to B (``vllm_ddtree/budget.py``); false verifies
+  nodes for each request, 0 to B (``vllm_ddtree/core/budget.py``); false verifies
   B nodes per request on every step.
 * ``ddtree_*`` keys are DDTree's own options (see :class:`DDTreeConfig`).
   Unknown ``ddtree_*`` keys are an error, never silently ignored.
@@ -100,7 +100,7 @@ class DDTreeRuntime(BaseModel):
     budget: int
     depth: int  # drafter positions used per round (the deepest tree level)
     block_size: int  # the drafter's trained block size (K_max + 1)
-    adaptive: bool = True  # per-step budgets from vllm_ddtree/budget.py
+    adaptive: bool = True  # per-step budgets from vllm_ddtree/core/budget.py
     # Where the runner publishes its counters for /metrics (see stats.py);
     # None: no ddtree metrics.
     stats_dir: str | None = None

@@ -14,8 +14,10 @@ the chain. With DDTree the drafts of a request are a tree, so:
   ``SchedulerOutput`` as ``ddtree_pruned``).
 - :func:`fill_bitmask` (``StructuredOutputManager.grammar_bitmask``) fills
   row ``j`` of a request with the grammar's mask after node ``j``'s path, in
-  the flat node order the runner's logits rows use, so vLLM's
-  ``apply_grammar_bitmask`` masks every node with its own state.
+  the flat node order the runner's logits rows use and in the row layout of
+  the installed vLLM (:func:`bitmask_layout`: packed in 0.32, a fixed stride
+  per request from 0.33), so vLLM's ``apply_grammar_bitmask`` masks every node
+  with its own state.
 - The accepted path is a chain again: vLLM's ``update_from_output`` advances
   the grammar with the generated tokens as in plain decoding.
 
@@ -26,6 +28,7 @@ along a tree path is not something vLLM's bounds logic can answer per node.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -36,8 +39,8 @@ from vllm_ddtree.core.node_history import chain_parents, prune_tree, renumber, w
 
 logger = init_logger("vllm.ddtree")
 
-__all__ = ["DDTreeDraftTokenIds", "GrammarTimer", "fill_bitmask", "pruned_for",
-           "update_drafts"]
+__all__ = ["DDTreeDraftTokenIds", "GrammarTimer", "PACKED", "STRIDED", "bitmask_layout",
+           "fill_bitmask", "pruned_for", "update_drafts"]
 
 
 @dataclass
@@ -120,12 +123,43 @@ def pruned_for(scheduler, scheduler_output) -> dict[str, tuple[list[int], list[i
     return out
 
 
+# How ``StructuredOutputManager.grammar_bitmask`` lays out its rows, which the
+# runner's ``apply_grammar_bitmask`` reads back:
+# - "packed" (vLLM 0.32): request after request, ``1 + len(drafts)`` rows each;
+#   ``_fill_bitmasks`` takes ``(grammar, row, apply)``;
+# - "strided" (vLLM 0.33 on): request ``i`` owns rows ``i * S .. i * S + S - 1``
+#   with ``S = num_speculative_tokens + 1`` and uses the first ``1 + len(drafts)``;
+#   ``_fill_bitmasks`` takes ``(grammar, row, apply, masked_ids)``, the last
+#   being the reasoning-end tokens an unconstrained row must still mask.
+PACKED, STRIDED = "packed", "strided"
+
+
+def bitmask_layout(vllm_version=None) -> str:
+    """The bitmask layout of the installed vLLM (or of ``vllm_version``)."""
+    from packaging.version import Version
+
+    if vllm_version is None:
+        return _installed_layout()
+    return STRIDED if Version(str(vllm_version)).release[:2] >= (0, 33) else PACKED
+
+
+@functools.cache
+def _installed_layout() -> str:
+    from vllm_ddtree.version import installed_vllm
+
+    return bitmask_layout(installed_vllm()[1])
+
+
 def fill_bitmask(manager, requests, structured_output_request_ids,
-                 scheduled_spec_decode_tokens):
+                 scheduled_spec_decode_tokens, layout: str | None = None):
     """``StructuredOutputManager.grammar_bitmask`` for trees: row ``j`` of a
-    request is the mask after node ``j``'s path (``j = 0``: the root)."""
+    request is the mask after node ``j``'s path (``j = 0``: the root), in the
+    installed vLLM's layout (:func:`bitmask_layout`)."""
     if not structured_output_request_ids:
         return None
+    layout = layout or bitmask_layout()
+    if layout not in (PACKED, STRIDED):
+        raise ValueError(f"unknown bitmask layout {layout!r}")
     t0 = time.perf_counter()
     num_spec = manager.vllm_config.num_speculative_tokens
     if manager._grammar_bitmask is None:
@@ -133,24 +167,35 @@ def fill_bitmask(manager, requests, structured_output_request_ids,
         manager._grammar_bitmask = manager.backend.allocate_token_bitmask(
             max_batch * (1 + num_spec))
     bitmask = manager._grammar_bitmask
+
+    def fill(grammar, row: int, apply: bool, request) -> None:
+        if layout == PACKED:
+            manager._fill_bitmasks(((grammar, row, apply),))
+        else:
+            masked = () if apply else manager._masked_reasoning_ends(request)
+            manager._fill_bitmasks(((grammar, row, apply, masked),))
+
     index = 0
-    for req_id in structured_output_request_ids:
+    for i, req_id in enumerate(structured_output_request_ids):
         request = requests[req_id]
         grammar = request.structured_output_request.grammar
         drafts = scheduled_spec_decode_tokens.get(req_id, [])
+        base = index if layout == PACKED else i * (1 + num_spec)
+        if len(drafts) > num_spec:
+            raise RuntimeError(f"DDTree: request {req_id} has {len(drafts)} scheduled drafts, "
+                               f"more than the budget {num_spec}")
         if not drafts:
             apply = manager._get_constraint_bounds(request, ()).constraint_start == 0
-            manager._fill_bitmasks(((grammar, index, apply),))
-            index += 1
+            fill(grammar, base, apply, request)
+            index = base + 1
             continue
         parents = (getattr(request, "ddtree_parents", None) or [])[: len(drafts)]
         if len(parents) != len(drafts):
             raise RuntimeError(f"DDTree: request {req_id} has {len(drafts)} scheduled drafts "
                                f"but a tree of {len(parents)} nodes")
-        base = index
 
-        def visit(j: int, base=base, grammar=grammar) -> None:
-            manager._fill_bitmasks(((grammar, base + j, True),))
+        def visit(j: int, base=base, grammar=grammar, request=request) -> None:
+            fill(grammar, base + j, True, request)
 
         ok = walk_grammar(grammar, req_id, parents, drafts, visit)
         if not all(ok):
@@ -164,6 +209,8 @@ def fill_bitmask(manager, requests, structured_output_request_ids,
                     while anc and not ok[anc - 1]:
                         anc = parents[anc - 1]
                     bitmask[base + j].copy_(bitmask[base + anc])
-        index += 1 + len(drafts)
+        index = base + 1 + len(drafts)
     GrammarTimer.fill_s += time.perf_counter() - t0
+    if layout == STRIDED:
+        index = len(structured_output_request_ids) * (1 + num_spec)
     return bitmask[:index].numpy()

@@ -65,6 +65,19 @@ class Verdict:
     status: str
     found: Fingerprint | None
     detail: str = ""
+    # How the plugin handles this difference on this vLLM line ('' if it is
+    # not a reviewed one).
+    handled: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """Unchanged, not used on this line, or a reviewed and handled change."""
+        return self.status in (UNCHANGED, NOT_EXPECTED) or bool(self.handled)
+
+
+def minor_line(version: str) -> str:
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return f"{m.group(1)}.{m.group(2)}" if m else version
 
 
 def _hash(node: ast.AST) -> str:
@@ -258,7 +271,7 @@ class SourceTree:
         if hit is None:
             return None, f"{module} has no {first}"
         mod, node = hit
-        where = [first]
+        where = [getattr(node, "name", first)]  # the definition's own name (re-exports)
         owner_mod = mod
         how = "body"
         for part in rest:
@@ -335,16 +348,57 @@ def compare(seam: Seam, found: Fingerprint | None, missing_why: str,
 
 def audit(root: str | Path, seams: list[Seam] = SEAMS, baseline: dict | None = None,
           tree: SourceTree | None = None) -> tuple[str, list[Verdict]]:
-    """``(version of the tree, one verdict per seam)`` against the baseline."""
+    """``(version of the tree, one verdict per seam)`` against the baseline.
+
+    A difference from the reference version counts as handled when the seam
+    has a ``changes`` note for the tree's minor line and the tree still has the
+    fingerprint that was reviewed for it (a later patch release that changes
+    the seam again is flagged anew)."""
     tree = tree or SourceTree(root)
     baseline = baseline if baseline is not None else load_baseline()
     fps = baseline["seams"]
+    line = minor_line(tree.version)
+    reviewed = baseline.get("reviewed", {}).get(line, {}).get("seams", {})
     out = []
     for seam in seams:
         found, why = tree.fingerprint(seam)
         base = Fingerprint.from_json(fps[seam.target]) if seam.target in fps else None
-        out.append(compare(seam, found, why, base, tree.version))
+        if base is None and seam.target in reviewed:  # new on this line
+            base = Fingerprint.from_json(reviewed[seam.target])
+        v = compare(seam, found, why, base, tree.version)
+        note = seam.changes.get(line, "")
+        if not v.ok and note and found is not None and seam.target in reviewed:
+            if Fingerprint.from_json(reviewed[seam.target]) == found:
+                v = Verdict(seam, v.status, found, v.detail, note)
+            else:
+                v = Verdict(seam, v.status, found,
+                            (v.detail + "; " if v.detail else "") + f"changed since the "
+                            f"{line} review")
+        out.append(v)
     return tree.version, out
+
+
+def review(root: str | Path, baseline: dict, seams: list[Seam] = SEAMS) -> dict:
+    """Record the fingerprints of ``root``'s minor line for the seams that
+    differ from the reference and carry a ``changes`` note for that line.
+    Refuses while a difference has no note (it has not been reviewed)."""
+    tree = SourceTree(root)
+    line = minor_line(tree.version)
+    if line == minor_line(baseline["reference"]):
+        raise ValueError(f"{tree.version} is the reference line; record a baseline instead")
+    _, verdicts = audit(root, seams, {**baseline, "reviewed": {}}, tree)
+    todo = [v for v in verdicts if v.status not in (UNCHANGED, NOT_EXPECTED)
+            and not v.seam.changes.get(line) and not (v.seam.since and v.found is not None)]
+    if todo:
+        raise ValueError(f"{len(todo)} seams differ in vLLM {tree.version} without a note "
+                         f"for {line} in patches/seams.py:\n  " +
+                         "\n  ".join(f"{v.status}: {v.seam.target} {v.detail}" for v in todo))
+    rec = {v.seam.target: v.found.to_json() for v in verdicts
+           if v.found is not None and (v.seam.changes.get(line) or v.seam.since)}
+    out = dict(baseline)
+    out["reviewed"] = {**baseline.get("reviewed", {}), line: {"from": tree.version,
+                                                              "seams": rec}}
+    return out
 
 
 def record_baseline(root: str | Path, seams: list[Seam] = SEAMS) -> dict:

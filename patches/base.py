@@ -19,6 +19,15 @@ from packaging.version import Version
 from vllm_ddtree.version import ALLOW_ENV, version_override_allowed
 
 
+# The vLLM lines a patch is written for. Patches that apply on every platform,
+# or on CUDA, cover 0.32 and 0.33: the seam audit (docs/seam_audit.md) found
+# their targets there, and every change in 0.33 is handled. 0.34 removed the V1
+# model runner the plugin builds on. CPU-only patches cover the one vLLM CPU
+# wheel, 0.32.
+ALL_PLATFORMS = ">=0.32,<0.34"
+CPU_ONLY = "==0.32.*"
+
+
 class PatchError(RuntimeError):
     pass
 

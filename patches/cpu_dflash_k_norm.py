@@ -33,7 +33,7 @@ import functools
 
 import torch
 
-from vllm_ddtree.patches.base import Patch, on_cpu
+from vllm_ddtree.patches.base import CPU_ONLY, Patch, on_cpu
 
 _TARGET = "vllm.model_executor.models.qwen3_dflash:DFlashQwen3Model._normalize_context_k"
 
@@ -77,7 +77,7 @@ PATCH = Patch(
     why="vLLM CPU's rms_norm applies weight row 0 to every layer of the DFlash drafter's "
         "grouped context K-norm; normalise per layer",
     upstream="not fixed in vLLM 0.32.0 (CPU op takes a 1-D weight)",
-    vllm_versions="==0.32.*",
+    vllm_versions=CPU_ONLY,
     build=_build,
     when=_needed,
 )

@@ -41,7 +41,7 @@ import functools
 
 import numpy as np
 
-from vllm_ddtree.patches.base import Patch, on_cpu
+from vllm_ddtree.patches.base import CPU_ONLY, Patch, on_cpu
 
 _TARGET = "vllm.v1.worker.cpu_model_runner:CPUModelRunner"
 # Runner attribute holding {batch row: (generator, state)} between the two hooks.
@@ -107,7 +107,7 @@ SNAPSHOT = Patch(
     why="Snapshot the CPU generators of discarded (partial-prefill) rows before the "
         "step draws from them.",
     upstream="not fixed in vLLM 0.32 (CUDA-only offset rewind in _bookkeeping_sync)",
-    vllm_versions="==0.32.*",
+    vllm_versions=CPU_ONLY,
     build=_build_sample_tokens,
     when=on_cpu,
 )
@@ -118,7 +118,7 @@ REWIND = Patch(
     why="Restore those generators by state and keep vLLM's set_offset rewind (CUDA "
         "Philox only; raises on CPU generators) away from them.",
     upstream="not fixed in vLLM 0.32 (CUDA-only offset rewind in _bookkeeping_sync)",
-    vllm_versions="==0.32.*",
+    vllm_versions=CPU_ONLY,
     build=_build_bookkeeping_sync,
     when=on_cpu,
 )

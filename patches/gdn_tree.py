@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 
-from vllm_ddtree.patches.base import Patch, on_cpu
+from vllm_ddtree.patches.base import CPU_ONLY, Patch, on_cpu
 
 _MODULE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
 
@@ -59,7 +59,7 @@ PATCH = Patch(
     why="Verify each speculative GDN token along its own tree path (parent-aware conv "
         "window and recurrence) during DDTree verification steps.",
     upstream="no tree GDN op in vLLM 0.32",
-    vllm_versions="==0.32.*",
+    vllm_versions=CPU_ONLY,
     build=_build,
     when=on_cpu,
 )

@@ -13,7 +13,7 @@ speculative engines, are refused too: they would apply in plain steps only.
 
 from __future__ import annotations
 
-from vllm_ddtree.patches.base import Patch
+from vllm_ddtree.patches.base import ALL_PLATFORMS, Patch
 
 
 def _build(original):
@@ -47,6 +47,6 @@ PATCH = Patch(
     target="vllm.v1.worker.gpu_model_runner:build_logitsprocs",
     why="Keep min_p and logit_bias with DDTree, which applies them per tree node.",
     upstream="none (vLLM drops them for every speculative method)",
-    vllm_versions="==0.32.*",
+    vllm_versions=ALL_PLATFORMS,
     build=_build,
 )

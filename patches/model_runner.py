@@ -12,7 +12,7 @@ patches are harmless for every other configuration.
 
 from __future__ import annotations
 
-from vllm_ddtree.patches.base import Patch, on_cpu, on_cuda
+from vllm_ddtree.patches.base import ALL_PLATFORMS, CPU_ONLY, Patch, on_cpu, on_cuda
 
 
 def _build_cpu(original):
@@ -46,7 +46,7 @@ CPU_RUNNER = Patch(
     target="vllm.v1.worker.cpu_worker:CPUModelRunner",
     why="CPUWorker builds its V1 runner by module-global name; no selection hook.",
     upstream="none",
-    vllm_versions="==0.32.*",
+    vllm_versions=CPU_ONLY,
     build=_build_cpu,
     when=on_cpu,
 )
@@ -56,7 +56,7 @@ CUDA_RUNNER = Patch(
     target="vllm.v1.worker.gpu_worker:Worker._make_model_runner",
     why="Select the DDTree V1 runner on CUDA without requiring --worker-cls.",
     upstream="Worker._make_model_runner is the documented subclass hook",
-    vllm_versions="==0.32.*",
+    vllm_versions=ALL_PLATFORMS,
     build=_build_cuda,
     when=on_cuda,
 )

@@ -14,7 +14,7 @@ is still refused is listed in :func:`unsupported_reason`.
 
 from __future__ import annotations
 
-from vllm_ddtree.patches.base import Patch
+from vllm_ddtree.patches.base import ALL_PLATFORMS, Patch
 
 
 def unsupported_reason(params) -> tuple[str, str] | None:
@@ -55,6 +55,6 @@ PATCH = Patch(
     why="Serve min_p and logit_bias with DDTree; refuse per request what the walk does not "
         "honour.",
     upstream="none (vLLM's own spec-decode parameter check)",
-    vllm_versions="==0.32.*",
+    vllm_versions=ALL_PLATFORMS,
     build=_build,
 )

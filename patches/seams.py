@@ -121,6 +121,9 @@ _GDN_LAYER = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn:QwenGate
 _CPU_GDN = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
 _DFLASH_MODEL = "vllm.model_executor.models.qwen3_dflash"
 
+_PTR_RANGE_033 = ("bounds Triton's pointer ranges (`set_triton_ptr_range`, AMD's 32-bit "
+                  "buffer addressing); DDTree's overrides call super for the stock path and "
+                  "its tree kernel does not rely on it")
 _BITMASK_033 = ("0.33+ gives every request a fixed block of `num_speculative_tokens + 1` "
                 "rows and passes 4-tuples with the masked reasoning ends; "
                 "`vllm_ddtree/structured.py` switches on `bitmask_layout()`")
@@ -186,6 +189,10 @@ SEAMS: list[Seam] = [
        "accept `min_p` and `logit_bias`, refuse what the walk does not honour"),
     _S("VLLM_USE_V2_MODEL_RUNNER", "env", "config",
        "set to 0: the seams live in the V1 runner"),
+    _S("vllm.platforms:current_platform", "imported", "config", "the platform"),
+    _S("vllm.config:VllmConfig", "imported", "proposer", "the proposer's config"),
+    _S("vllm:LLM", "imported", "metrics", "`vllm-ddtree trace` runs the offline engine"),
+    _S("vllm:SamplingParams", "imported", "metrics", "`vllm-ddtree trace` requests"),
     _S("vllm.platforms.interface:Platform.is_cpu", "signature", "config", "platform switch"),
     _S("vllm.platforms.interface:Platform.is_cuda", "signature", "config", "platform switch"),
     _S("vllm.logger:init_logger", "signature", "config", "vLLM's logger"),
@@ -196,18 +203,24 @@ SEAMS: list[Seam] = [
        "CPUWorker builds its runner by this module-global name: the DDTree runner"),
     _S("vllm.v1.worker.gpu_worker:Worker._make_model_runner", "patched", "runner",
        "return the DDTree V1 runner when DDTree is on"),
-    _S(_RUNNER, "subclassed", "runner", "the runner mixin goes in front of it"),
+    _S(_RUNNER, "subclassed", "runner", "the runner mixin goes in front of it",
+       changes={"0.33": "other methods changed; every method the mixin overrides and every "
+                        "attribute it reads has its own row"}),
     _S(_CPU_RUNNER, "subclassed", "runner", "the runner mixin goes in front of it (CPU)"),
     _S(f"{_RUNNER}._prepare_inputs", "overridden", "runner",
        "super first; plan the round after vLLM computed positions and slots"),
     _S(f"{_RUNNER}._build_attention_metadata", "overridden", "runner",
-       "super first; attach the tree masks to the target layers' metadata"),
+       "super first; attach the tree masks to the target layers' metadata",
+       changes={"0.33": "multimodal prefix ranges moved into a helper; the returned "
+                        "per-layer metadata DDTree decorates is unchanged"}),
     _S(f"{_RUNNER}._model_forward", "overridden", "runner",
        "wraps super: every target layer's cache write is noted, the first-step guard"),
     _S(f"{_RUNNER}._sample", "overridden", "runner",
        "replaces the rejection sampler for tree steps: the walk and compaction"),
     _S(f"{_RUNNER}.propose_draft_token_ids", "overridden", "runner",
-       "condition the drafter on the accepted path (the parameter list is passed through)"),
+       "condition the drafter on the accepted path (the parameter list is passed through)",
+       changes={"0.33": "the Medusa branch is gone; the DFlash branch and the parameters "
+                        "are unchanged"}),
     _S(f"{_RUNNER}.load_model", "overridden", "runner", "start-up guard: tree-capable layers"),
     _S(f"{_RUNNER}.initialize_kv_cache", "overridden", "runner",
        "start-up guard: one KV-cache group; the CPU cost profile"),
@@ -290,7 +303,9 @@ SEAMS: list[Seam] = [
     _S(f"{_BASE_PROP}.propose", "overridden", "proposer",
        "called with the drafter depth; the trees are built from the kept logits"),
     _S(f"{_BASE_PROP}.load_model", "overridden", "proposer",
-       "records the target's attention layers first"),
+       "records the target's attention layers first",
+       changes={"0.33": "also marks the drafter's layers `is_draft_layer`; the target "
+                        "layers DDTree records before super are the same"}),
     _S(f"{_BASE_PROP}.dummy_run", "signature", "runner", "the cost model's drafter profile"),
     _S(f"{_BASE_PROP}.kv_cache_gid", "attribute", "proposer",
        "the drafter's KV-cache group (plain mode)"),
@@ -333,6 +348,10 @@ SEAMS: list[Seam] = [
     _S(f"{_BUILTIN}:MinPLogitsProcessor.min_p_count", "attribute", "sampler", "min_p"),
     _S("vllm.v1.sample.logits_processor:BUILTIN_LOGITS_PROCESSORS", "imported", "sampler",
        "all three built in for DDTree"),
+    _S("vllm.v1.sample.logits_processor:LOGITSPROCS_GROUP", "imported", "sampler",
+       "custom processors stay refused"),
+    _S("vllm.v1.sample.logits_processor:LogitsProcessors", "imported", "sampler",
+       "the built processors"),
     _S("vllm.v1.worker.gpu_model_runner:build_logitsprocs", "patched", "sampler",
        "with DDTree, build all three built-in logits processors"),
     _S("vllm.v1.sample.ops.bad_words:apply_bad_words", "signature", "sampler", "per node"),
@@ -349,7 +368,10 @@ SEAMS: list[Seam] = [
     _S(f"{_SOM}.grammar_bitmask", "patched", "structured output",
        "one bitmask row per tree node", changes={"0.33": _BITMASK_033}),
     _S("vllm.v1.core.sched.scheduler:Scheduler.schedule", "patched", "structured output",
-       "the dropped nodes ride on the scheduler output"),
+       "the dropped nodes ride on the scheduler output",
+       changes={"0.33": "new scheduling policies (prefill cadence, deferred KV loads) and "
+                        "`SchedulerOutput.skip_drafts`, read only by Model Runner V2; the "
+                        "wrapper only adds `ddtree_pruned` to the output"}),
     _S(f"{_SOM}._fill_bitmasks", "signature", "structured output",
        "fill one node's row", changes={"0.33": _BITMASK_033}),
     _S(f"{_SOM}._get_constraint_bounds", "signature", "structured output",
@@ -396,7 +418,9 @@ SEAMS: list[Seam] = [
        "the DDTREE builder's CUDA-graph support"),
     _S("vllm.v1.attention.backend:AttentionType", "imported", "attention",
        "decoder layers only"),
-    _S(f"{_CPU_ATTN}:CPUAttentionBackend", "subclassed", "attention", "the CPU tree backend"),
+    _S(f"{_CPU_ATTN}:CPUAttentionBackend", "subclassed", "attention", "the CPU tree backend",
+       changes={"0.33": "adds `supports_kv_cache_dtype` (fp8 on AMX/AVX-512); DDTree still "
+                        "refuses a quantized KV cache at start"}),
     _S(f"{_CPU_ATTN}:CPUAttentionBackendImpl", "subclassed", "attention", "the CPU tree impl"),
     _S(f"{_CPU_ATTN}:CPUAttentionBackendImpl.forward", "overridden", "attention",
        "tree steps run the tree kernel, others the stock op"),
@@ -423,15 +447,18 @@ SEAMS: list[Seam] = [
     _S(f"{_CPU_ATTN}:CPUAttentionMetadata.causal", "attribute", "attention",
        "tree steps must be causal"),
     _S(f"{_TRITON}:TritonAttentionBackend", "subclassed", "attention", "the DDTREE backend"),
-    _S(f"{_TRITON}:TritonAttentionImpl", "subclassed", "attention", "the DDTREE impl"),
+    _S(f"{_TRITON}:TritonAttentionImpl", "subclassed", "attention", "the DDTREE impl",
+       changes={"0.33": _PTR_RANGE_033}),
     _S(f"{_TRITON}:TritonAttentionImpl.forward", "overridden", "attention",
-       "tree steps run the Triton tree kernel"),
+       "tree steps run the Triton tree kernel", changes={"0.33": _PTR_RANGE_033}),
     _S(f"{_TRITON}:TritonAttentionImpl.do_kv_cache_update", "overridden", "attention",
-       "capture each target layer's cache write"),
+       "capture each target layer's cache write", changes={"0.33": _PTR_RANGE_033}),
     _S(f"{_TRITON}:TritonAttentionImpl.chunk_lookback", "attribute", "attention",
        "refused when set"),
     _S(f"{_TRITON}:TritonAttentionMetadataBuilder", "subclassed", "attention",
-       "the DDTREE builder"),
+       "the DDTREE builder",
+       changes={"0.33": "sizes the 3D-decode scratch for verification queries; DDTree's "
+                        "tree steps run the tree kernel, other steps the stock path"}),
     _S(f"{_TRITON}:TritonAttentionMetadataBuilder._cudagraph_support", "attribute",
        "attention", "`UNIFORM_SINGLE_TOKEN_DECODE`: tree masks are attached after build"),
     _S(f"{_TRITON}:TritonAttentionMetadata.mm_prefix_range_tensor", "attribute", "attention",
@@ -440,7 +467,11 @@ SEAMS: list[Seam] = [
        "tree steps must be causal"),
     # ------------------------------------------------------------------ GDN
     _S(f"{_CPU_GDN}:_spec_forward", "patched", "GDN",
-       "verify each speculative GDN token along its own tree path"),
+       "verify each speculative GDN token along its own tree path",
+       changes={"0.33": "the chain's conv-buffer layout is fixed and fp16 with Triton "
+                        "bypasses this function; a CPU-only patch, and vLLM CPU has no 0.33 "
+                        "wheel, so it stays pinned to 0.32 (the first-step guard raises if "
+                        "GDN layers skip the tree path)"}),
     _S(f"{_CPU_GDN}:_unpacked_conv_weight", "signature", "GDN", "the conv weight"),
     _S("fused_sigmoid_gating_delta_rule_update_spec_cpu", "op", "GDN",
        "the recurrence in waves"),

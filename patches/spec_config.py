@@ -38,7 +38,7 @@ from vllm_ddtree.core.config import (
     resolve,
 )
 from vllm_ddtree.attention import CUDA_BACKEND_NAME
-from vllm_ddtree.patches.base import Patch
+from vllm_ddtree.patches.base import ALL_PLATFORMS, Patch
 from vllm_ddtree.core.stats import new_stats_dir
 
 
@@ -283,7 +283,7 @@ PATCH = Patch(
     target="vllm.engine.arg_utils:EngineArgs.create_speculative_config",
     why="SpeculativeConfig forbids unknown methods/keys and has no method registry.",
     upstream="none: vLLM has no plugin hook for new speculative methods",
-    vllm_versions="==0.32.*",
+    vllm_versions=ALL_PLATFORMS,
     build=_build,
 )
 
@@ -312,6 +312,6 @@ PREFIX_CACHING_DEFAULT = Patch(
         "the cache config (create_speculative_config runs after it); an explicit "
         "--enable-prefix-caching is refused instead.",
     upstream="vLLM has no per-speculative-method default for prefix caching",
-    vllm_versions="==0.32.*",
+    vllm_versions=ALL_PLATFORMS,
     build=_build_prefix_default,
 )

@@ -12,7 +12,7 @@ carries ``speculative_config.ddtree``.
 
 from __future__ import annotations
 
-from vllm_ddtree.patches.base import Patch
+from vllm_ddtree.patches.base import ALL_PLATFORMS, Patch
 
 
 def _build(original):
@@ -35,6 +35,6 @@ PATCH = Patch(
     target="vllm.v1.metrics.loggers:StatLoggerManager.__init__",
     why="Export the ddtree metrics only when DDTree is on, in AsyncLLM and LLMEngine alike.",
     upstream="vllm.stat_logger_plugins exists but is unconditional and AsyncLLM-only",
-    vllm_versions="==0.32.*",
+    vllm_versions=ALL_PLATFORMS,
     build=_build,
 )

@@ -15,7 +15,7 @@ config is DDTree (the logic is in ``vllm_ddtree/structured.py``):
 
 from __future__ import annotations
 
-from vllm_ddtree.patches.base import Patch
+from vllm_ddtree.patches.base import ALL_PLATFORMS, Patch
 
 
 def _ddtree_on(vllm_config) -> bool:
@@ -69,7 +69,7 @@ UPDATE_DRAFTS = Patch(
     target="vllm.v1.core.sched.scheduler:Scheduler.update_draft_token_ids",
     why="Check drafts against the grammar per tree path and drop rejected nodes.",
     upstream="none (vLLM validates drafts as a chain)",
-    vllm_versions="==0.32.*",
+    vllm_versions=ALL_PLATFORMS,
     build=_build_update,
 )
 
@@ -78,7 +78,7 @@ BITMASK = Patch(
     target="vllm.v1.structured_output:StructuredOutputManager.grammar_bitmask",
     why="Fill each tree node's bitmask row with the grammar state after its path.",
     upstream="none (vLLM fills the rows along a chain)",
-    vllm_versions="==0.32.*",
+    vllm_versions=ALL_PLATFORMS,
     build=_build_bitmask,
 )
 
@@ -87,6 +87,6 @@ SCHEDULE = Patch(
     target="vllm.v1.core.sched.scheduler:Scheduler.schedule",
     why="Tell the runner which tree nodes the grammar check dropped.",
     upstream="none",
-    vllm_versions="==0.32.*",
+    vllm_versions=ALL_PLATFORMS,
     build=_build_schedule,
 )

@@ -93,6 +93,25 @@ def test_unknown_ddtree_key(tiny_pair):
         _engine_config(target, {"method": "ddtree", "model": drafter, "ddtree_budget_size": 3})
 
 
+@pytest.mark.parametrize("key,value", [("rejection_sample_method", "synthetic"),
+                                       ("rejection_sample_method", "block"),
+                                       ("draft_sample_method", "probabilistic")])
+def test_walk_owned_keys_refused(tiny_pair, key, value):
+    # The tree walk replaces vLLM's rejection sampler: another method would be
+    # ignored silently (or, like 0.33's "fly", promise lossy outputs).
+    target, drafter = tiny_pair
+    with pytest.raises(DDTreeConfigError, match=rf"speculative_config.{key}.*{value!r}.*dflash"):
+        _engine_config(target, {"method": "ddtree", "model": drafter, key: value})
+
+
+def test_walk_owned_keys_default_accepted(tiny_pair):
+    target, drafter = tiny_pair
+    cfg = _engine_config(target, {"method": "ddtree", "model": drafter,
+                                  "rejection_sample_method": "standard",
+                                  "draft_sample_method": "greedy"})
+    assert cfg.speculative_config.rejection_sample_method == "standard"
+
+
 def test_missing_drafter():
     with pytest.raises(DDTreeConfigError, match="speculative_config.model"):
         DDTreeConfig.from_speculative_dict({"num_speculative_tokens": 8})

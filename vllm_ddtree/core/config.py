@@ -31,6 +31,12 @@ OPTION_PREFIX = "ddtree_"
 DEFAULT_BUDGET = 32
 MAX_BUDGET = 512
 DFLASH_ARCHITECTURES = ("DFlashDraftModel",)
+# vLLM keys that choose how drafts are verified or drawn. DDTree's tree walk
+# replaces both (lossless at every temperature, trees built from the drafter's
+# distribution), so only their defaults are accepted: anything else would be
+# ignored silently, and vLLM's other rejection methods ("synthetic", "block",
+# and 0.33's lossy "fly") promise outputs the walk does not give.
+WALK_OWNED_KEYS = {"rejection_sample_method": "standard", "draft_sample_method": "greedy"}
 
 
 class DDTreeConfigError(ValueError):
@@ -71,6 +77,13 @@ class DDTreeConfig(BaseModel):
                 "speculative_config.model: method 'ddtree' needs a DFlash drafter; set "
                 "\"model\" to a DFlash checkpoint (e.g. z-lab/Qwen3-8B-DFlash-b16), or leave it "
                 "out for the plugin to find one (vllm_ddtree/drafters.py).")
+        for key, default in WALK_OWNED_KEYS.items():
+            if rest.get(key, default) != default:
+                raise DDTreeConfigError(
+                    f"speculative_config.{key}: DDTree verifies with its own lossless tree "
+                    f"walk and builds trees from the drafter's distribution, so {key} must "
+                    f"be {default!r} (or left out), got {rest[key]!r}. Use method 'dflash' "
+                    f"for {key}={rest[key]!r}.")
         budget = rest.get("num_speculative_tokens")
         if budget is None:
             budget = DEFAULT_BUDGET

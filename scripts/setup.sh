@@ -52,7 +52,7 @@ fi
 
 "$VENV/bin/python" - <<'PY'
 import importlib.metadata as m
-import vllm_ddtree.kernels, vllm_ddtree.patches  # noqa: F401  (package layout sanity)
+import vllm_ddtree.core, vllm_ddtree.kernels, vllm_ddtree.patches  # noqa: F401  (package layout sanity)
 from vllm_ddtree.version import check_vllm_version
 print("[setup] ok:", check_vllm_version(), "| vllm CLI metadata:", m.version("vllm"))
 PY

@@ -17,6 +17,7 @@ a fresh process (vLLM engines do not release everything when dropped)::
               with VLLM_ENABLE_V1_MULTIPROCESSING=0, to alter the runner),
      "followup": {"suffix": "text" | [token ids], "sampling": {...}}  (optional),
      "one_at_a_time": true  (optional: then generate each prompt alone as well),
+     "runs": {"name": {"prompts": ..., "sampling": ...}, ...}  (optional, see run()),
      "workloads": {"name": sampling, ...}, "rounds": 2  (optional, see below)}
 
 ``workloads`` (benchmarks) runs, after the main generation, each named
@@ -112,22 +113,22 @@ def counter(llm, name: str) -> float:
                if m.name.removeprefix("vllm:") == name)
 
 
-def run(job: dict) -> dict:
-    from vllm import LLM
+def _prompts_for(spec):
     from vllm.inputs import TokensPrompt
 
-    prompts = resolve_prompts(job["prompts"])
-    prompts = [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p for p in prompts]
-    kwargs = dict(dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
-                  disable_log_stats=False)
-    kwargs.update(job.get("llm", {}))
-    llm = LLM(model=job["model"], speculative_config=job.get("speculative_config"), **kwargs)
-    sampling = job.get("sampling", {"temperature": 0.0, "max_tokens": 128})
-    params = ([make_params(d) for d in sampling] if isinstance(sampling, list)
-              else make_params(sampling))
+    prompts = resolve_prompts(spec)
+    return [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p for p in prompts]
+
+
+def _params_for(sampling):
+    sampling = sampling if sampling is not None else {"temperature": 0.0, "max_tokens": 128}
+    return ([make_params(d) for d in sampling] if isinstance(sampling, list)
+            else make_params(sampling))
+
+
+def generate(llm, prompts, params) -> tuple[list, dict]:
+    """One generation: vLLM's outputs and the result fields they give."""
     first = params[0] if isinstance(params, list) else params
-    for _ in range(job.get("warmup", 0)):
-        llm.generate(prompts[:1], first, use_tqdm=False)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
@@ -136,25 +137,52 @@ def run(job: dict) -> dict:
                for o in outs]
     result = {"outputs": outputs, "prompt_ids": [list(o.prompt_token_ids) for o in outs],
               "seconds": seconds,
-              "num_tokens": sum(len(c.token_ids) for o in outs for c in o.outputs),
-              "spec": spec_metrics(llm), "preemptions": counter(llm, "num_preemptions")}
+              "num_tokens": sum(len(c.token_ids) for o in outs for c in o.outputs)}
     if any(o.outputs[0].logprobs is not None for o in outs):
         result["logprobs"] = [[_logprob_dicts(c.logprobs) for c in o.outputs] if n > 1
                               else _logprob_dicts(o.outputs[0].logprobs) for o in outs]
     if any(o.prompt_logprobs is not None for o in outs):
         result["prompt_logprobs"] = [_logprob_dicts(o.prompt_logprobs) for o in outs]
-    if job.get("followup") is not None:
-        result["followup"] = run_followup(llm, job["followup"], outs, first)
-    if job.get("workloads"):
-        result["workloads"] = run_workloads(llm, prompts, job["workloads"],
-                                            job.get("rounds", 2))
-    if job.get("one_at_a_time"):
-        # The same engine, each prompt in a batch of its own (after the batched
-        # run, so its spec counters above are the batched run's).
-        each = params if isinstance(params, list) else [params] * len(prompts)
-        result["single_outputs"] = [
-            list(llm.generate([p], q, use_tqdm=False)[0].outputs[0].token_ids)
-            for p, q in zip(prompts, each)]
+    return outs, result
+
+
+def run(job: dict) -> dict:
+    """The job's main generation (``prompts``, optional when ``runs`` is given),
+    then its ``runs``: ``{name: {"prompts": ..., "sampling": ...}}`` generated
+    one after another in the same engine, each under ``result["runs"][name]``
+    (one engine start for several workloads; the tests share references so)."""
+    from vllm import LLM
+
+    kwargs = dict(dtype="float32", enforce_eager=True, max_model_len=2048, seed=0,
+                  disable_log_stats=False)
+    kwargs.update(job.get("llm", {}))
+    llm = LLM(model=job["model"], speculative_config=job.get("speculative_config"), **kwargs)
+    result: dict = {}
+    if job.get("prompts") is not None:
+        prompts = _prompts_for(job["prompts"])
+        params = _params_for(job.get("sampling"))
+        first = params[0] if isinstance(params, list) else params
+        for _ in range(job.get("warmup", 0)):
+            llm.generate(prompts[:1], first, use_tqdm=False)
+        outs, result = generate(llm, prompts, params)
+        result["spec"] = spec_metrics(llm)
+        result["preemptions"] = counter(llm, "num_preemptions")
+        if job.get("followup") is not None:
+            result["followup"] = run_followup(llm, job["followup"], outs, first)
+        if job.get("workloads"):
+            result["workloads"] = run_workloads(llm, prompts, job["workloads"],
+                                                job.get("rounds", 2))
+        if job.get("one_at_a_time"):
+            # The same engine, each prompt in a batch of its own (after the batched
+            # run, so its spec counters above are the batched run's).
+            each = params if isinstance(params, list) else [params] * len(prompts)
+            result["single_outputs"] = [
+                list(llm.generate([p], q, use_tqdm=False)[0].outputs[0].token_ids)
+                for p, q in zip(prompts, each)]
+    if job.get("runs"):
+        result["runs"] = {name: generate(llm, _prompts_for(r["prompts"]),
+                                         _params_for(r.get("sampling")))[1]
+                          for name, r in job["runs"].items()}
     return result
 
 

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.shared_engines import PLAIN_ENGINES, PLAIN_RUNS
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = Path(os.environ.get("DDTREE_TEST_MODELS", ROOT / "models"))
 TARGET = MODELS / "tiny-qwen3"
@@ -59,8 +61,42 @@ def token_id(text: str, model: Path = TARGET) -> int:
     return ids[0]
 
 
-def run_job(job: dict, tmp_path: Path, timeout: float = 900) -> dict:
+# Engine core and worker in the job's own process, with one OpenMP thread: a
+# tiny-pair engine starts in about 20 s instead of 55 s (compiled: 75 s instead
+# of 120 s) on the 2-core CI machine, and decodes as fast. vLLM's default
+# multiprocess layout keeps its own tests: the server tests, and
+# test_e2e_greedy's compiled DDTree run (multiprocess=True).
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
+
+
+def run_job(job: dict, tmp_path: Path, timeout: float = 900, multiprocess: bool = False) -> dict:
     """Run ``benchmarks.run_llm`` on ``job`` in a fresh process; return its result."""
     from benchmarks.run_llm import run_in_subprocess
 
+    if not multiprocess:
+        job = dict(job, env=dict(IN_PROCESS, **(job.get("env") or {})))
     return run_in_subprocess(job, tmp_path, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def plain_reference(tiny_pair, tmp_path_factory):
+    """``plain_reference(engine, name)``: that run's result, from the shared
+    plain engine (started on first use, once per session)."""
+    done: dict[str, dict | Exception] = {}
+
+    def get(engine: str, name: str) -> dict:
+        if engine not in done:
+            job = dict(PLAIN_ENGINES[engine], model=tiny_pair[0], runs=PLAIN_RUNS[engine])
+            try:
+                done[engine] = run_job(job, tmp_path_factory.mktemp(f"plain_{engine}"))
+            except Exception as e:  # noqa: BLE001 - re-raised for every user
+                done[engine] = e
+        if isinstance(done[engine], Exception):
+            raise RuntimeError(f"the shared plain {engine} engine failed") from done[engine]
+        runs = done[engine]["runs"]
+        if name not in runs:
+            raise KeyError(f"plain run {engine}/{name} was declared after the shared engine "
+                           f"ran; declare it with plain_run() at import time")
+        return runs[name]
+
+    return get

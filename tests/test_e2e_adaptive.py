@@ -18,7 +18,7 @@ import json
 import pytest
 
 from tests.adaptive_probe import ENV_LOG
-from tests.conftest import run_job
+from tests.conftest import IN_PROCESS, run_job
 
 pytestmark = pytest.mark.engine
 
@@ -28,14 +28,16 @@ BUDGET = 16
 # ms: A + B * tokens, plus D with the drafter.
 COST_MIXED = "10,0.05,1"  # cheap tokens: budgets differ by the drafter's confidence
 COST_PLAIN = "1,1,5"  # trees never pay: plain steps, a probe every 32 steps
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
 SYNC_SAMPLING = dict(SAMPLING, max_tokens=128)  # 3 probes per request in plain mode
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_pair, tmp_path_factory):
-    return run_job({"model": tiny_pair[0], "prompts": PROMPTS, "sampling": SAMPLING},
-                   tmp_path_factory.mktemp("plain"))
+def plain(plain_reference):
+    """The shared 128-token greedy reference, cut to 96 tokens: the 16 requests
+    decode in lockstep, so its first 96 steps are exactly a 96-token run's."""
+    ref = plain_reference("eager", "humaneval16")
+    assert ref["prompt_ids"] and len(ref["outputs"]) == 16
+    return {"outputs": [o[: SAMPLING["max_tokens"]] for o in ref["outputs"]]}
 
 
 def _ddtree(tiny_pair, tmp_path, adaptive=True, env=None, **job):

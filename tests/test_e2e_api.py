@@ -28,13 +28,13 @@ import re
 
 import pytest
 
-from tests.conftest import run_job, token_id
+from tests.conftest import IN_PROCESS, run_job, token_id
+from tests.shared_engines import PLAIN_ENGINES, plain_run
 from tests.path_probe import ENV_LOG, totals
 
 pytestmark = pytest.mark.engine
 
 NEWLINE, EQUALS = token_id("\n"), token_id(" =")
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 12},
                          "count": {"type": "integer", "minimum": 0, "maximum": 999},
@@ -81,9 +81,16 @@ def _outputs(result, name):
     return [result["outputs"][p * len(NAMES) + i] for p in range(NUM_PROMPTS)]
 
 
+# The plain reference is a run of the session's shared eager plain engine,
+# which has this file's structured-output settings.
+_PLAIN = _job((None, None))
+assert all(PLAIN_ENGINES["eager"]["llm"][k] == v for k, v in _PLAIN["llm"].items())
+plain_run("eager", "api_features", _PLAIN["prompts"], _PLAIN["sampling"])
+
+
 @pytest.fixture(scope="module")
-def plain(tiny_pair, tmp_path_factory):
-    return run_job(_job(tiny_pair), tmp_path_factory.mktemp("api_plain"))
+def plain(plain_reference):
+    return plain_reference("eager", "api_features")
 
 
 @pytest.fixture(scope="module")

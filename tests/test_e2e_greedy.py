@@ -10,34 +10,32 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import run_job
+from tests.shared_engines import GREEDY_128
 
 pytestmark = pytest.mark.engine
 
 PROMPTS = "humaneval:16"
-SAMPLING = {"temperature": 0.0, "max_tokens": 128, "ignore_eos": True}
+SAMPLING = GREEDY_128
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_pair, tmp_path_factory):
-    target, _ = tiny_pair
-    return run_job({"model": target, "prompts": PROMPTS, "sampling": SAMPLING},
-                   tmp_path_factory.mktemp("plain"))
+def plain(plain_reference):
+    return plain_reference("eager", "humaneval16")  # (declared in conftest)
 
 
 @pytest.fixture(scope="module")
-def plain_compiled(tiny_pair, tmp_path_factory):
-    target, _ = tiny_pair
-    return run_job({"model": target, "prompts": PROMPTS, "sampling": SAMPLING,
-                    "llm": {"enforce_eager": False}}, tmp_path_factory.mktemp("plain_c"))
+def plain_compiled(plain_reference):
+    return plain_reference("compiled", "humaneval16")
 
 
-def _ddtree(tiny_pair, tmp_path, budget, eager=True):
+def _ddtree(tiny_pair, tmp_path, budget, eager=True, multiprocess=False):
     target, drafter = tiny_pair
     return run_job({"model": target, "prompts": PROMPTS, "sampling": SAMPLING,
                     "llm": {"enforce_eager": eager},
                     "speculative_config": {"method": "ddtree", "model": drafter,
                                            "num_speculative_tokens": budget,
-                                           "ddtree_adaptive": False}}, tmp_path)
+                                           "ddtree_adaptive": False}}, tmp_path,
+                   multiprocess=multiprocess)
 
 
 def _assert_identical(res, plain, what):
@@ -49,8 +47,9 @@ def _assert_identical(res, plain, what):
 def test_greedy_compiled_identical_to_plain_compiled(plain_compiled, tiny_pair, tmp_path):
     """The default serving mode compiles the target into one graph, whose
     activation buffers are reused after each cache write: compaction must not
-    depend on them."""
-    res = _ddtree(tiny_pair, tmp_path, 32, eager=False)
+    depend on them. It runs in vLLM's default multiprocess layout (engine core
+    and worker in processes of their own, the ddtree metrics read across them)."""
+    res = _ddtree(tiny_pair, tmp_path, 32, eager=False, multiprocess=True)
     _assert_identical(res, plain_compiled, "compiled ddtree(B=32)")
     check_ddtree_metrics(res["spec"], 32)
 

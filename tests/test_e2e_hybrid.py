@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import run_job
+from tests.conftest import IN_PROCESS, run_job
 from tests.near_ties import describe, first_divergences
 from tests.path_probe import ENV_LOG, totals
 from tests.pit import load_target, rescore
@@ -39,7 +39,6 @@ BUDGET = 16
 # bf16 noise on the tiny target's logits: measured |bf16 - fp32| of the top-2
 # gap stays below about 0.05 over its HumanEval continuations.
 NEAR_TIE = 0.1
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")

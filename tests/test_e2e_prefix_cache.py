@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import run_job
+from tests.conftest import IN_PROCESS, run_job
 
 pytestmark = pytest.mark.engine
 
@@ -21,9 +21,6 @@ BLOCK = 32  # CPU_ATTN needs a multiple of 32
 TURN1 = {"temperature": 0.0, "max_tokens": 96, "ignore_eos": True}
 TURN2 = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
 SUFFIX = "\n    "
-# Engine core and worker in the job's process (one vLLM start-up instead of
-# three), with one OpenMP thread (two are much slower in-process on two cores).
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")

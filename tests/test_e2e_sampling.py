@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import run_job
+from tests.conftest import IN_PROCESS, run_job
 from tests.pit import Rescored, load_target, rescore
 
 pytestmark = pytest.mark.engine
@@ -69,10 +69,6 @@ P_MIN = 1e-3  # KS rejection level
 MAX_MISS_FRACTION = 0.002  # tokens outside the rescored nucleus, ddtree arm
 MIN_DEEP_FRACTION = 0.08  # accepted nodes at depth >= 2, per PIT token
 PIT_SEED = 20240601
-# Setup hooks need the engine in the job's own process. There vLLM does not pin
-# the engine's OpenMP threads as it does in its engine process; one thread
-# keeps the in-process engine as fast as that (4x faster on a busy 2-core host).
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")

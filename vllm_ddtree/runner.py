@@ -581,7 +581,7 @@ def check_tree_capable_gdn_layers(vllm_config) -> frozenset[str]:
     )
     from vllm.platforms import current_platform
 
-    from vllm_ddtree.patches import gdn_tree
+    from vllm_ddtree.patches import gdn_tree, gdn_tree_cuda
 
     layers = get_layers_from_vllm_config(vllm_config, MambaBase)
     if not layers:
@@ -592,14 +592,21 @@ def check_tree_capable_gdn_layers(vllm_config) -> frozenset[str]:
         raise DDTreeSeamError(
             f"DDTree verifies trees on Qwen Gated DeltaNet layers only; this target also has "
             f"{', '.join(other[:3])}. Use method 'dflash' for this model.")
-    if not current_platform.is_cpu():
+    if current_platform.is_cpu():
+        patch, applied = "cpu-gdn-tree", gdn_tree.applied()
+    else:
+        patch, applied = "cuda-gdn-tree-*", gdn_tree_cuda.applied()
+        for name, layer in layers.items():
+            # vLLM's fused CUDA spec-decode kernel verifies chains and bypasses
+            # the calls the tree path replaces: keep these layers on the Triton path.
+            if getattr(layer, "enable_fused_gdn_spec_decode", False):
+                layer.enable_fused_gdn_spec_decode = False
+                logger.info_once("DDTree: Gated DeltaNet layers verify trees with the "
+                                 "parent-aware Triton kernels (vLLM's fused chain kernel is "
+                                 "off for them)")
+    if not applied:
         raise DDTreeSeamError(
-            "DDTree serves hybrid Gated DeltaNet targets on vLLM's CPU backend only in this "
-            "version (the CUDA tree kernels are not wired into vLLM's GDN layer yet). Use "
-            "method 'dflash' for this model on GPUs.")
-    if not gdn_tree.applied():
-        raise DDTreeSeamError(
-            "DDTree's Gated DeltaNet tree path (patch cpu-gdn-tree) is not installed in this "
+            f"DDTree's Gated DeltaNet tree path (patch {patch}) is not installed in this "
             "process, so GDN layers would verify chains. Check that the vllm_ddtree plugin "
             "loads (VLLM_PLUGINS), or use method 'dflash'.")
     return frozenset(layers)

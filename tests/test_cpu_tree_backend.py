@@ -28,7 +28,7 @@ from vllm_ddtree import attention as dda  # noqa: E402
 from vllm_ddtree.core.compaction import kv_capture  # noqa: E402
 from vllm_ddtree.kernels.cache_layout import split_kv_cache_cpu_vec  # noqa: E402
 from vllm_ddtree.kernels.reference import tree_attention_reference  # noqa: E402
-from vllm_ddtree.core.tree_info import TreeAttentionInfo  # noqa: E402
+from vllm_ddtree.core.tree_info import TreeAttentionInfo, TreeStepBuffers  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -364,3 +364,20 @@ def test_register_backends_on_cpu():
             register_backend(member, previous)
         else:
             member.clear_override()
+
+
+def test_tree_path_marks_the_guard_slot_and_stock_does_not():
+    """The replay-safe guard: the DDTree impl's tree path marks its layer's
+    slot for the step, the stock impl leaves it stale."""
+    reqs = [Req(9, 5, make_parents(5, torch.Generator().manual_seed(1))), Req(4, 1)]
+    step = Step(reqs, 4, 2, 32, 32, torch.float32, "vec")
+    names = ["layers.0.attn", "layers.1.attn"]
+    buffers = TreeStepBuffers(64, 4, 8, names, "cpu")
+    buffers.begin_step()
+    md = step.metadata
+    for name, impl in zip(names, (step.impl, step.stock)):
+        step.layer.layer_name = name
+        md.ddtree = TreeAttentionInfo.create(step.mask, step.is_tree, (0,), 6, buffers=buffers)
+        impl.forward(step.layer, step.query, step.key, step.value, step.kv_cache, md,
+                     torch.empty_like(step.query))
+    assert buffers.unseen_layers(set(names)) == ["layers.1.attn"]

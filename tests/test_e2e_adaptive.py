@@ -97,6 +97,23 @@ def test_adaptive_mixed_budgets_greedy_identical(plain, tiny_pair, tmp_path):
     assert spec["tau"] > 2.0
 
 
+def test_padded_trees_greedy_identical(plain, tiny_pair, tmp_path):
+    """Cut trees padded back to the full budget (what full CUDA graphs run,
+    forced here with VLLM_DDTREE_PAD_TREES=1): every verification batch is
+    uniform, the walk accepts only the chosen nodes, and the tokens are
+    plain decoding's."""
+    res = _ddtree(tiny_pair, tmp_path, prompts="humaneval:8",
+                  env={"VLLM_DDTREE_COST_MODEL": COST_MIXED, "VLLM_DDTREE_PAD_TREES": "1"})
+    _assert_identical(res, {"outputs": plain["outputs"][:8]}, "adaptive ddtree (padded)")
+    spec, dd = res["spec"], _budget_counts(res)
+    assert spec["drafts"] > 0 and spec["accepted"] > 0
+    # vLLM verified full trees; the walk used only the policy's nodes
+    assert spec["draft_tokens"] == spec["drafts"] * BUDGET
+    per_draft = dd["num_nodes_verified"] / spec["drafts"]
+    assert 1 < per_draft < BUDGET - 1, f"nothing was padded: {per_draft:.1f} usable nodes"
+    assert dd["num_accepted_tokens"] == spec["accepted"]
+
+
 @pytest.fixture(scope="module")
 def always_drafting(tiny_pair, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("always")

@@ -141,6 +141,7 @@ class TreeAttentionImplMixin:
                 f"ddtree tree attention does not support {reason} "
                 f"({type(self).__name__}, layer {layer.layer_name})")
         kv_capture.saw_tree(layer.layer_name)
+        get_tree_info(attn_metadata).mark_seen(layer.layer_name)
 
     _tree_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
@@ -418,14 +419,15 @@ if TritonAttentionBackend is not None:
             return output
 
     class DDTreeTritonAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
-        """Stock builder. Tree info is attached per step after ``build``, which
-        a captured full CUDA graph would not see, so full graphs are limited
-        to single-token decode batches (where a tree is just its root, i.e.
-        causal). Piecewise graphs run attention eagerly and are unaffected."""
+        """Stock builder, with full CUDA graphs for uniform batches: every
+        request verifies 1 + B tokens (``UNIFORM_BATCH``; the runner pads trees
+        the adaptive budget cut). The runner attaches the step's tree info
+        after ``build``; its tensors are persistent buffers
+        (``core.tree_info.TreeStepBuffers``) that a graph captured with them
+        reads on replay, and every layer's kernel launch is followed by its
+        device-side guard mark."""
 
-        _cudagraph_support: ClassVar[AttentionCGSupport] = (
-            AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-        )
+        _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
 
     class DDTreeTritonAttentionBackend(TritonAttentionBackend):
         """``TRITON_ATTN`` plus the tree kernel, registered as ``DDTREE``."""

@@ -42,8 +42,9 @@ __all__ = ["GDNTreeStep", "active_step", "cpu_tree_spec_forward", "cuda_layer",
 class GDNTreeStep:
     """One verification step's GDN bookkeeping."""
 
-    def __init__(self, parent: Tensor):
+    def __init__(self, parent: Tensor, buffers: Any = None):
         self.parent = parent  # [num_tokens] local parent of every token row (-1: root)
+        self.buffers = buffers  # core.tree_info.TreeStepBuffers: the guard's seen slots
         self.plan: TreePlan | None = None  # CPU: the wave plan
         self.width: int | None = None  # the conv kernel width
         self.layers: dict[str, tuple[Any, Any, Tensor]] = {}  # name -> conv, ssm, rows
@@ -81,7 +82,16 @@ class GDNTreeStep:
         return self._spec_parent
 
     def record(self, name: str, conv_state: Tensor, ssm_state: Tensor, rows: Tensor) -> None:
+        """Layer ``name`` ran both halves of the tree path (a device-side mark
+        too, which a captured CUDA graph repeats on replay)."""
         self.layers[name] = (conv_state, ssm_state, rows)
+        if self.buffers is not None:
+            self.buffers.mark_seen(name)
+
+    def replayed(self, layers: dict[str, tuple[Any, Any, Tensor]], width: int) -> None:
+        """The step's forward was a replayed CUDA graph of a uniform batch:
+        the layers' caches and state rows are those recorded at capture."""
+        self.layers, self.width = dict(layers), width
 
     def commit(self, path: Tensor, num_accepted: Tensor) -> None:
         """After the walk (``path`` ``[R, 1+B]`` and ``num_accepted`` ``[R]``
@@ -90,11 +100,14 @@ class GDNTreeStep:
         if self.width is None or not self.layers:
             return
         rows = self.spec_rows
+        if rows is None:  # a replayed uniform batch: every request is speculative
+            rows = torch.arange(path.shape[0], device=path.device)
         state_col, conv_cols = commit_columns(path.index_select(0, rows),
                                               num_accepted.index_select(0, rows),
                                               self.width)
+        n = rows.shape[0]
         for conv_state, ssm_state, idx in self.layers.values():
-            commit_layer(conv_state, ssm_state, idx, state_col, conv_cols)
+            commit_layer(conv_state, ssm_state, idx[:n], state_col, conv_cols)
 
 
 def _spec_rows(md: Any, n: int, device) -> Tensor:

@@ -35,6 +35,7 @@ The vLLM names this relies on are listed in ``patches/README.md``.
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from contextlib import nullcontext
@@ -46,6 +47,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.outputs import SamplerOutput
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_ddtree.attention import TreeAttentionImplMixin
 from vllm_ddtree.core.budget import (AdaptivePolicy, CostModel, PiecewiseLinear, ladder,
@@ -57,16 +59,22 @@ from vllm_ddtree.core.node_history import (chain_parents, keep_nodes, node_depth
 from vllm_ddtree.node_sampling import (NodeRows, logprobs_of_outputs, min_p_per_request,
                                        needs_processing, process_nodes)
 from vllm_ddtree.proposer import DDTreeProposer
-from vllm_ddtree.core.round import DDTreeSeamError, ProposedTrees, TreeRound
+from vllm_ddtree.core.compaction import kv_capture
+from vllm_ddtree.core.round import DDTreeSeamError, ProposedTrees, TreeRound, attach_info
 from vllm_ddtree.core.stats import CounterWriter, stats_file
 from vllm_ddtree.structured import DDTreeDraftTokenIds
 from vllm_ddtree.core.tree import process_logits
+from vllm_ddtree.core.tree_info import TreeStepBuffers
 
 logger = init_logger("vllm.ddtree")
 
 ENV_DEBUG = "VLLM_DDTREE_DEBUG"
 # "A,B,D" in ms: pin the adaptive budget's cost model instead of profiling it.
 ENV_COST = "VLLM_DDTREE_COST_MODEL"
+# "1"/"0": pad trees the adaptive budget cut back to the full budget (never
+# accepted past the cut) so that tree batches stay uniform. Default: exactly
+# when tree steps run under full CUDA graphs.
+ENV_PAD = "VLLM_DDTREE_PAD_TREES"
 
 
 class DDTreeRunnerMixin:
@@ -100,6 +108,18 @@ class DDTreeRunnerMixin:
         self.ddtree_gdn_step: GDNTreeStep | None = None
         # M-RoPE targets: the depth-position shift applied to every M-RoPE row.
         self.ddtree_mrope_delta: torch.Tensor | None = None
+        # The persistent tensors every step's tree lives in (created at model
+        # load, once the target's layers are known), the info attached while a
+        # full CUDA graph of a tree batch is captured, the GDN layers' records
+        # per captured graph size, whether cut trees are padded back to the
+        # budget (uniform batches), and the padded requests' usable nodes.
+        self.ddtree_buffers: TreeStepBuffers | None = None
+        self.ddtree_capture = None
+        self.ddtree_graph_gdn: dict[int, tuple] = {}
+        self.ddtree_pad: bool | None = None
+        self.ddtree_valid: dict[str, int] | None = None
+        self.ddtree_guarded = False  # this step's tree path is checked after sampling
+        self.ddtree_expected: frozenset[str] = frozenset()  # ... in these layers
         # Each request's tree of the last drafts on the host (parents of its
         # drafts), and this step's scheduled drafts: the node histories.
         self.ddtree_host_parents: dict[str, list[int]] = {}
@@ -114,6 +134,9 @@ class DDTreeRunnerMixin:
         if self.ddtree is not None:
             check_tree_capable_layers(self.vllm_config, self.drafter.target_attn_layers)
             self.ddtree_gdn_layers = check_tree_capable_gdn_layers(self.vllm_config)
+            self.ddtree_buffers = TreeStepBuffers(
+                self.max_num_tokens, self.scheduler_config.max_num_seqs, self.ddtree.budget,
+                self.drafter.target_attn_layers | self.ddtree_gdn_layers, self.device)
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
@@ -162,7 +185,9 @@ class DDTreeRunnerMixin:
             query_pos=self.query_pos.gpu[:total],
             query_start=self.query_start_loc.gpu[:num_reqs],
             with_expected=self.ddtree_stats is not None,
-            with_logq=self.ddtree_policy is not None, check_drafts=self.ddtree_debug)
+            with_logq=self.ddtree_policy is not None, check_drafts=self.ddtree_debug,
+            buffers=self.ddtree_buffers, valid=self.ddtree_valid)
+        self.ddtree_valid = None
         rnd = self.ddtree_round
         if self.ddtree_gdn_layers and (self.num_decode_draft_tokens.np[:num_reqs] >= 0).any():
             # vLLM verifies every decode row of a speculative engine on the GDN
@@ -171,13 +196,24 @@ class DDTreeRunnerMixin:
             # CPU's chain path leaves rows with fewer than S drafts misaligned).
             # Each token row's parent within its request (-1: the root); drafts
             # that are not a tree of ours are chains.
+            # (in the persistent buffer a captured CUDA graph reads)
+            parent = self.ddtree_buffers.parent[:total]
             if rnd is None:
-                parent = torch.full((total,), -1, dtype=torch.long, device=self.device)
+                parent.fill_(-1)
             else:
                 parents = F.pad(rnd.parents, (1, 0), value=-1)
                 node = self.query_pos.gpu[:total].long().clamp(max=self.ddtree.budget)
-                parent = parents[self.req_indices.gpu[:total].long(), node]
-            self.ddtree_gdn_step = GDNTreeStep(parent)
+                parent.copy_(parents[self.req_indices.gpu[:total].long(), node])
+            self.ddtree_gdn_step = GDNTreeStep(parent, self.ddtree_buffers)
+        # the layers whose tree path the step's guard expects
+        expected = set()
+        if rnd is not None and rnd.any_tree:
+            expected |= self.drafter.target_attn_layers
+        if self.ddtree_gdn_step is not None:
+            expected |= self.ddtree_gdn_layers
+        if expected:
+            self.ddtree_buffers.begin_step()
+        self.ddtree_expected = frozenset(expected)
         if rnd is not None and rnd.any_tree and self.uses_mrope:
             # Text tokens carry the same position in every M-RoPE row, and a
             # tree node's position is p0 + depth in each of them.
@@ -188,7 +224,11 @@ class DDTreeRunnerMixin:
 
     def _build_attention_metadata(self, *args, **kwargs):
         attn_metadata, spec_cad = super()._build_attention_metadata(*args, **kwargs)
-        if self.ddtree is not None and self.ddtree_round is not None:
+        if self.ddtree is None:
+            return attn_metadata, spec_cad
+        if self.ddtree_capture is not None:  # a full CUDA graph of a tree batch
+            attach_info(attn_metadata, self.drafter.target_attn_layers, self.ddtree_capture)
+        elif self.ddtree_round is not None:
             self.ddtree_round.attach(attn_metadata, self.drafter.target_attn_layers)
         return attn_metadata, spec_cad
 
@@ -197,6 +237,18 @@ class DDTreeRunnerMixin:
         step = self.ddtree_gdn_step if self.ddtree is not None else None
         if rnd is None and step is None:
             return super()._model_forward(*args, **kwargs)
+        replay = full_graph_replay()
+        if replay is not None:
+            # No Python runs inside the graph: the layers' cache records and
+            # GDN records are those of the capture, and the device-side guard
+            # is checked after sampling (sample_tokens).
+            out = super()._model_forward(*args, **kwargs)
+            if rnd is not None and rnd.any_tree:
+                rnd.replayed(self.drafter.target_attn_layers)
+            if step is not None:
+                step.replayed(*self._ddtree_graph_gdn_records(replay))
+            self._ddtree_guard_step(rnd, step)
+            return out
         with (rnd.capturing(self.drafter.target_attn_layers) if rnd is not None
               else nullcontext()), tree_step(step):
             out = super()._model_forward(*args, **kwargs)
@@ -209,7 +261,82 @@ class DDTreeRunnerMixin:
                     f"{f' and {len(missing) - 4} more' if len(missing) > 4 else ''}); their "
                     f"states would follow a chain instead of each node's parent. Use method "
                     f"'dflash' for this model.")
+        self._ddtree_guard_step(rnd, step)
         return out
+
+    def _ddtree_guard_step(self, rnd, step) -> None:
+        """After a tree step's forward: start reading back the layers' guard
+        slots (checked in ``sample_tokens``, when the step's results are on
+        the host)."""
+        if self.ddtree_expected:
+            self.ddtree_buffers.fetch_seen()
+            self.ddtree_guarded = True
+
+    def sample_tokens(self, *args, **kwargs):
+        out = super().sample_tokens(*args, **kwargs)
+        if self.ddtree is not None and self.ddtree_guarded:
+            self.ddtree_guarded = False
+            unseen = self.ddtree_buffers.unseen_layers(self.ddtree_expected)
+            if unseen:
+                raise DDTreeSeamError(
+                    f"DDTree: {len(unseen)} target layers did not run the tree path in the "
+                    f"last verification step ({', '.join(unseen[:4])}"
+                    f"{' ...' if len(unseen) > 4 else ''}): a CUDA graph captured without "
+                    f"it, or a stock attention or GDN path. Its tokens were not returned. "
+                    f"Serve with --enforce-eager to find the layer, or use method 'dflash'.")
+        return out
+
+    # ------------------------------------------------------------------ full CUDA graphs
+    def _dummy_run(self, num_tokens, *args, **kwargs):
+        if self.ddtree is None or not self._ddtree_captures_tree(num_tokens, *args, **kwargs):
+            return super()._dummy_run(num_tokens, *args, **kwargs)
+        # A full CUDA graph of a uniform tree batch: capture it with the tree
+        # path (the persistent buffers attached, every GDN layer on its tree
+        # kernels) and prove every target layer took it.
+        buffers = self.ddtree_buffers
+        width = 1 + self.ddtree.budget
+        self.ddtree_capture = buffers.info(num_tokens, max(1, num_tokens // width), (), width)
+        gdn_step = None
+        if self.ddtree_gdn_layers:
+            gdn_step = GDNTreeStep(buffers.parent[:num_tokens], buffers)
+        kv_capture.start(self.drafter.target_attn_layers)
+        try:
+            with tree_step(gdn_step):
+                out = super()._dummy_run(num_tokens, *args, **kwargs)
+        finally:
+            kv_capture.stop()
+            self.ddtree_capture = None
+        missing = kv_capture.missing_layers()
+        if gdn_step is not None:
+            gdn_missing = sorted(self.ddtree_gdn_layers - gdn_step.layers.keys())
+            if gdn_missing:
+                missing["gdn_tree"] = gdn_missing
+            self.ddtree_graph_gdn[num_tokens] = (dict(gdn_step.layers), gdn_step.width)
+        if missing:
+            raise DDTreeSeamError(
+                f"DDTree: a full CUDA graph of {num_tokens} tokens was captured without the "
+                f"tree path in some target layers ({missing}); replaying it would ignore the "
+                f"tree. Use --enforce-eager or method 'dflash'.")
+        return out
+
+    def _ddtree_captures_tree(self, num_tokens, *args, **kwargs) -> bool:
+        """Whether this ``_dummy_run`` captures (or warms up) a full CUDA graph
+        of a uniform verification batch."""
+        try:
+            bound = _DUMMY_RUN_SIG.bind(self, num_tokens, *args, **kwargs).arguments
+        except TypeError:
+            return False
+        mode = bound.get("cudagraph_runtime_mode")
+        return bool(bound.get("uniform_decode")) and getattr(mode, "name", "") == "FULL"
+
+    def _ddtree_graph_gdn_records(self, num_tokens: int):
+        rec = self.ddtree_graph_gdn.get(num_tokens)
+        if rec is None:
+            raise DDTreeSeamError(
+                f"DDTree: a full CUDA graph of {num_tokens} tokens was replayed, but no "
+                f"Gated DeltaNet tree path was captured for that size. Use --enforce-eager "
+                f"or method 'dflash'.")
+        return rec
 
     def _sample(self, logits, spec_decode_metadata):
         rnd = self.ddtree_round if self.ddtree is not None else None
@@ -375,10 +502,16 @@ class DDTreeRunnerMixin:
         # The adaptive policy's choice: each request verifies its first
         # budget nodes (a valid tree: flat order puts parents first).
         cut = budgets.tolist()
-        for i, drafts in enumerate(out.draft_token_ids):
-            del drafts[cut[i] if i < len(cut) else 0:]
-            del out.parents[i][cut[i] if i < len(cut) else 0:]
+        cut += [0] * (len(out.draft_token_ids) - len(cut))
         total = sum(cut)
+        if total and self._ddtree_pads():
+            # Full CUDA graphs replay uniform batches only: keep every tree at
+            # the full budget and let the walk accept only the chosen nodes.
+            self.ddtree_valid = dict(zip(out.req_ids, cut))
+        else:
+            for i, drafts in enumerate(out.draft_token_ids):
+                del drafts[cut[i]:]
+                del out.parents[i][cut[i]:]
         policy = self.ddtree_policy
         policy.decided(total)
         if self.ddtree_stats is not None:
@@ -390,6 +523,31 @@ class DDTreeRunnerMixin:
             self.ddtree_stats.add_choice(total, policy.calibration.table,
                                          (plain, tree, draft, per_node))
         return out
+
+    def _ddtree_pads(self) -> bool:
+        """Whether trees the adaptive budget cut are padded back to the full
+        budget (``VLLM_DDTREE_PAD_TREES``; by default exactly when tree steps
+        run under full CUDA graphs, which replay uniform batches only)."""
+        if self.ddtree_pad is None:
+            flag = os.environ.get(ENV_PAD, "").strip().lower()
+            if flag in ("1", "true", "yes", "on"):
+                self.ddtree_pad = True
+            elif flag in ("0", "false", "no", "off"):
+                self.ddtree_pad = False
+            elif flag:
+                raise ValueError(f"{ENV_PAD} must be 0 or 1, got {flag!r}")
+            else:
+                from vllm.config import CUDAGraphMode
+
+                mode = self.compilation_config.cudagraph_mode
+                self.ddtree_pad = (self.device.type == "cuda"
+                                   and not self.model_config.enforce_eager
+                                   and mode.decode_mode() == CUDAGraphMode.FULL)
+            if self.ddtree_pad:
+                logger.info("DDTree: the adaptive budget's cut trees are padded back to %d "
+                            "nodes (never accepted past the cut), so that verification "
+                            "batches stay uniform for full CUDA graphs", self.ddtree.budget)
+        return self.ddtree_pad
 
     def _ddtree_with_parents(self, out) -> DDTreeDraftTokenIds:
         """The drafts with each request's tree, for the scheduler's grammar
@@ -503,6 +661,21 @@ class DDTreeRunnerMixin:
 
 
 PROFILE_MAX_TOKENS = 1024  # largest dummy forward of the start-up profile
+_DUMMY_RUN_SIG = inspect.signature(GPUModelRunner._dummy_run)
+
+
+def full_graph_replay() -> int | None:
+    """The padded token count when the running forward is a replayed full
+    CUDA graph (no Python runs inside it), else None."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    ctx = get_forward_context()
+    if ctx.cudagraph_runtime_mode != CUDAGraphMode.FULL or ctx.batch_descriptor is None:
+        return None
+    return ctx.batch_descriptor.num_tokens
 
 
 def _extend(xs: list[int], ys: list[float], knots: list[int]) -> list[float]:

@@ -123,6 +123,20 @@ class KVCapture:
         if self._active:
             self._tree_layers.add(layer_name)
 
+    def replayed(self, layers: Iterable[str]) -> None:
+        """The step's forward was a replayed CUDA graph, so no impl reported
+        anything: every target layer is taken as written, from its record of
+        the capture (a target layer without a record is an error)."""
+        layers = frozenset(layers)
+        absent = sorted(layers - self._records.keys())
+        if absent:
+            raise RuntimeError(f"DDTree: no cache record for target layers {absent[:4]} "
+                               f"after a replayed CUDA graph (the graph was not captured "
+                               f"with the tree path)")
+        self._layers = layers
+        self._written = set(layers)
+        self._tree_layers = set(layers)
+
     def missing_layers(self) -> dict[str, list[str]]:
         """Target layers that did not report their cache write or did not
         apply the tree mask in the current step, by what is missing."""

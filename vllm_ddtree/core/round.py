@@ -50,9 +50,9 @@ from torch import Tensor
 from vllm_ddtree.core import tree as tree_ops
 from vllm_ddtree.core.compaction import compaction_rows, kv_capture
 from vllm_ddtree.core.stats import HIST_BINS
-from vllm_ddtree.core.tree_info import TreeAttentionInfo
+from vllm_ddtree.core.tree_info import TreeAttentionInfo, TreeStepBuffers
 
-__all__ = ["DDTreeSeamError", "ProposedTrees", "StepCounts", "TreeRound"]
+__all__ = ["DDTreeSeamError", "ProposedTrees", "StepCounts", "TreeRound", "attach_info"]
 
 
 class DDTreeSeamError(RuntimeError):
@@ -109,6 +109,9 @@ class TreeRound:
     logit_starts: list[int]  # each request's first logits row, on the host
     node_counts: list[int]  # the same as num_nodes, on the host
     expected: Tensor  # [R] float64 Σ q(u) over the scheduled nodes (0: unknown)
+    # [R] nodes the walk may accept: the scheduled ones, or fewer when a cut
+    # tree was padded back to its full size (the padding is never accepted)
+    num_valid: Tensor | None = None
     tokens: Tensor | None = None  # [R, B] draft tokens (None: read the scheduled drafts)
     logq: Tensor | None = None  # [R, B] log q of the tree nodes (with_logq)
     # Set when tree_rows:
@@ -120,6 +123,10 @@ class TreeRound:
     num_accepted: Tensor | None = None  # [R]
     src_rows: Tensor | None = None  # token rows of the accepted nodes, in path order ...
     dst_rows: Tensor | None = None  # ... and the rows they move to (root onto itself else)
+
+    def __post_init__(self) -> None:
+        if self.num_valid is None:
+            self.num_valid = self.num_nodes
 
     @property
     def any_tree(self) -> bool:
@@ -142,6 +149,8 @@ class TreeRound:
         with_expected: bool,
         with_logq: bool = False,
         check_drafts: bool = False,
+        buffers: TreeStepBuffers | None = None,
+        valid: dict[str, int] | None = None,
     ) -> TreeRound | None:
         """The round for this step, or None when nothing is verified.
 
@@ -153,9 +162,19 @@ class TreeRound:
         ``check_drafts`` (a debug option) compares the scheduled drafts with
         the trees, which reads the trees back. ``with_logq`` keeps the nodes'
         log q for :meth:`node_outcomes` (the adaptive budget's calibration).
+
+        ``buffers``: the runner's persistent tensors; the masks and tree flags
+        are written into them in place (every step, so that a replayed CUDA
+        graph never sees an older step's tree) and the info views them.
+        ``valid`` maps request ids to how many of their scheduled nodes the
+        walk may accept (a tree cut by the adaptive budget and padded back to
+        its full size for a uniform batch); the rest are verified but never
+        accepted, so the step's tokens are those of the cut tree.
         """
         if not scheduled:
             return None
+        if buffers is not None:
+            buffers.is_tree.zero_()
         with_logq = with_logq or bool(ROUND_OBSERVERS)
         req_ids = list(req_ids)
         counts = [len(scheduled.get(r, ())) for r in req_ids]
@@ -172,15 +191,19 @@ class TreeRound:
             starts.append(total)
             total += n + 1
         dev = positions.device
-        host = torch.tensor([counts, [max(i, 0) for i in src], [i >= 0 for i in src], starts],
-                            dtype=torch.int64)
-        num_nodes, src_t, fd, logit_start = host.to(dev, non_blocking=True).unbind(0)
+        usable = counts if not valid else [min(n, valid.get(r, n)) for r, n in zip(req_ids, counts)]
+        host = torch.tensor([counts, [max(i, 0) for i in src], [i >= 0 for i in src], starts,
+                             usable], dtype=torch.int64)
+        num_nodes, src_t, fd, logit_start, num_valid = host.to(dev, non_blocking=True).unbind(0)
+        if usable is counts:
+            num_valid = num_nodes
         from_drafter = fd.bool()
         ar1 = torch.arange(budget + 1, device=dev)
         rnd = cls(req_ids, budget, depth, num_nodes, _chain(len(req_ids), budget, dev),
                   from_drafter, tree_rows,
                   logit_start[:, None] + torch.minimum(ar1, num_nodes[:, None]), starts,
-                  counts, torch.zeros(len(req_ids), dtype=torch.float64, device=dev))
+                  counts, torch.zeros(len(req_ids), dtype=torch.float64, device=dev),
+                  num_valid)
         if not tree_rows:
             return rnd
         tree = trees.tree
@@ -199,7 +222,7 @@ class TreeRound:
         if with_expected or with_logq:
             rnd.logq = tree.logq.index_select(0, src_t)
         if with_expected:
-            scheduled_node = ar1[None, 1:] <= num_nodes[:, None]
+            scheduled_node = ar1[None, 1:] <= num_valid[:, None]
             rnd.expected = (rnd.logq.double().exp()
                             * (scheduled_node & from_drafter[:, None])).sum(-1)
 
@@ -210,9 +233,15 @@ class TreeRound:
         ridx, node = req_indices.long(), query_pos.long().clamp(max=budget)
         rnd.seq_positions = positions.clone()
         positions += delta[ridx, node]
-        rnd.info = TreeAttentionInfo.create(
-            anc[ridx, node], from_drafter, tree_rows,
-            max_tree_query_len=1 + max(counts[r] for r in tree_rows))
+        max_len = 1 + max(counts[r] for r in tree_rows)
+        if buffers is None:
+            rnd.info = TreeAttentionInfo.create(anc[ridx, node], from_drafter, tree_rows,
+                                                max_tree_query_len=max_len)
+        else:
+            num_tokens = positions.shape[0]
+            buffers.mask[:num_tokens].copy_(anc[ridx, node])
+            buffers.is_tree[: len(req_ids)].copy_(from_drafter)
+            rnd.info = buffers.info(num_tokens, len(req_ids), tree_rows, max_len)
         rnd.query_start = query_start.long()
         return rnd
 
@@ -221,11 +250,7 @@ class TreeRound:
                target_layers: frozenset[str]) -> None:
         """Set ``.ddtree`` on the metadata of every target attention layer
         (None when no request needs a mask)."""
-        per_ubatch = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]
-        for by_layer in per_ubatch:
-            for name, md in by_layer.items():
-                if name in target_layers:
-                    md.ddtree = self.info
+        attach_info(attn_metadata, target_layers, self.info)
 
     # ------------------------------------------------------------ 3. forward
     @contextmanager
@@ -253,6 +278,12 @@ class TreeRound:
                 "(the plugin selects it unless --attention-backend overrides it), or use "
                 "method 'dflash'.")
 
+    def replayed(self, target_layers: Iterable[str]) -> None:
+        """The forward was a replayed CUDA graph, captured with the tree path
+        (no Python ran in it): compaction moves every target layer's cache as
+        recorded at capture, and the device-side guard checks the step."""
+        kv_capture.replayed(target_layers)
+
     # ------------------------------------------------------------ 4. verify
     def node_tokens(self, draft_token_ids: Tensor) -> Tensor:
         """``[R, B]`` the scheduled nodes' tokens (kept for :meth:`verify`)."""
@@ -278,7 +309,7 @@ class TreeRound:
                                       sampling, min_p)
         post = post_flat[self.logit_rows]
         tokens = self.node_tokens(draft_token_ids)
-        res = tree_ops.walk(tokens, self.parents, post, num_nodes=self.num_nodes)
+        res = tree_ops.walk(tokens, self.parents, post, num_nodes=self.num_valid)
         self.path, self.num_accepted = res.path, res.num_accepted
         if self.any_tree:
             self.src_rows, self.dst_rows = compaction_rows(
@@ -332,7 +363,7 @@ class TreeRound:
         if self.logq is None or self.path is None or not self.any_tree:
             return None
         cols = torch.arange(1, self.budget + 1, device=self.path.device)
-        verified = (cols[None, :] <= self.num_nodes[:, None]) & self.from_drafter[:, None]
+        verified = (cols[None, :] <= self.num_valid[:, None]) & self.from_drafter[:, None]
         hit = torch.zeros(self.path.shape, dtype=torch.bool, device=self.path.device)
         hit.scatter_(1, self.path.clamp(min=0), True)  # -1 pads land on the root column
         return self.logq, verified, hit[:, 1:] & verified
@@ -340,7 +371,18 @@ class TreeRound:
     def counts(self) -> StepCounts | None:
         if self.num_accepted is None:
             return None
-        return StepCounts(self.num_nodes, self.num_accepted, self.expected, self.from_drafter)
+        return StepCounts(self.num_valid, self.num_accepted, self.expected, self.from_drafter)
+
+
+def attach_info(attn_metadata: dict[str, Any] | list[dict[str, Any]],
+                target_layers: frozenset[str], info: TreeAttentionInfo | None) -> None:
+    """Set ``.ddtree = info`` on the metadata of every target attention layer
+    (a dict by layer name, or one per micro-batch)."""
+    per_ubatch = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]
+    for by_layer in per_ubatch:
+        for name, md in by_layer.items():
+            if name in target_layers:
+                md.ddtree = info
 
 
 _CHAINS: dict[tuple, Tensor] = {}

@@ -242,3 +242,96 @@ def test_heavy_refuses_a_bad_source(tmp_path):
         heavy.heavy_target(tmp_path / "cache", source=tmp_path / "nothing", progress=False)
     with pytest.raises(ValueError, match="not a Qwen3ForCausalLM"):
         heavy.heavy_target(tmp_path / "cache", source=DRAFTER, progress=False)
+
+
+# --------------------------------------------------------------------------- MoE target
+MOE_LOGIT_ATOL = 1e-4  # observed max |diff| about 1e-5 on logits of magnitude ~10
+
+
+@pytest.fixture(scope="module")
+def small_moe(cache):
+    from benchmarks.tiny_pair import moe
+
+    return moe.make_moe_target(cache)
+
+
+def test_moe_is_a_qwen3_moe_of_copied_experts(small_moe):
+    from benchmarks.tiny_pair import moe
+
+    cfg = json.loads((small_moe / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3MoeForCausalLM"] and cfg["model_type"] == "qwen3_moe"
+    assert (cfg["num_experts"], cfg["num_experts_per_tok"]) == (moe.MOE_EXPERTS, moe.MOE_TOP_K)
+    assert cfg["norm_topk_prob"] is True and cfg["mlp_only_layers"] == []
+    assert cfg["decoder_sparse_step"] == 1
+    src, got = _tensors(TARGET), _tensors(small_moe)
+    for i in range(4):
+        p = f"model.layers.{i}.mlp."
+        for e in range(moe.MOE_EXPERTS):
+            for n in ("gate_proj", "up_proj", "down_proj"):
+                assert torch.equal(got[f"{p}experts.{e}.{n}.weight"], src[f"{p}{n}.weight"])
+        router = got[f"{p}gate.weight"]
+        assert router.shape == (moe.MOE_EXPERTS, 192) and 0.01 < router.std().item() < 0.04
+    for k, t in src.items():
+        if ".mlp." not in k:
+            assert torch.equal(got[k], t), k
+    model = _load(small_moe)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+
+
+def test_moe_router_really_routes(small_moe, prompt_ids):
+    """Different tokens pick different experts (every expert is used), so the
+    equality below holds because the experts agree, not because one is always picked."""
+    model = _load(small_moe)
+    picked = set()
+    hooks = [layer.mlp.gate.register_forward_hook(
+        lambda _m, _a, out: picked.update(out[2].flatten().tolist()))
+        for layer in model.model.layers]
+    try:
+        for ids in prompt_ids:
+            _run(model, ids)
+    finally:
+        for hk in hooks:
+            hk.remove()
+    assert picked == set(range(json.loads((small_moe / "config.json").read_text())["num_experts"]))
+
+
+def test_moe_logits_match_the_dense_target(small_moe, dense, prompt_ids):
+    layer_ids = json.loads((DRAFTER / "config.json").read_text())["dflash_config"][
+        "target_layer_ids"]
+    model = _load(small_moe)
+    for ids in prompt_ids:
+        want, got = _run(dense, ids), _run(model, ids)
+        torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=MOE_LOGIT_ATOL)
+        for i in layer_ids:
+            torch.testing.assert_close(got.hidden_states[i + 1], want.hidden_states[i + 1],
+                                       rtol=0, atol=MOE_LOGIT_ATOL)
+
+
+def test_moe_greedy_continuations_equal_the_dense_targets(small_moe, dense, prompt_ids):
+    model = _load(small_moe)
+    for ids in prompt_ids:
+        kw = dict(max_new_tokens=48, do_sample=False, pad_token_id=0, eos_token_id=None,
+                  attention_mask=torch.ones_like(ids))
+        assert torch.equal(model.generate(ids, **kw), dense.generate(ids, **kw))
+
+
+def test_moe_tolerance_catches_an_expert_that_differs(small_moe, dense, prompt_ids):
+    """One expert 1% off moves the logits well past the tolerance."""
+    model = _load(small_moe)
+    with torch.no_grad():
+        model.model.layers[1].mlp.experts.down_proj[2] *= 1.01
+    diff = max((_run(model, ids).logits - _run(dense, ids).logits).abs().max().item()
+               for ids in prompt_ids)
+    assert diff > 10 * MOE_LOGIT_ATOL
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"num_experts": 1}, r"num_experts=1: must be an int >= 2"),
+    ({"top_k": 5}, r"top_k=5: must be an int in \[1, num_experts=4\]"),
+    ({"seed": "a"}, r"seed='a'"),
+])
+def test_moe_refuses_bad_arguments(tmp_path, kwargs, match):
+    from benchmarks.tiny_pair import moe
+
+    with pytest.raises(ValueError, match=match):
+        moe.make_moe_target(tmp_path, **kwargs)

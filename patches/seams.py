@@ -507,6 +507,12 @@ SEAMS: list[Seam] = [
     _S(f"{_DFLASH_MODEL}:DFlashQwen3Model._k_norm_weights", "attribute", "CPU fixes",
        "each layer's K-norm weight"),
     _S("vllm._custom_ops:rms_norm", "signature", "CPU fixes", "the per-layer K-norm"),
+    _S("vllm._custom_ops:CPUDNNLGEMMHandler.__del__", "patched", "CPU fixes",
+       "release the oneDNN GEMM handle without tensor dispatch (safe under FakeTensorMode)"),
+    _S("vllm._custom_ops:CPUDNNLGEMMHandler.handler_tensor", "attribute", "CPU fixes",
+       "the handle's address, a 0-dim int64 tensor"),
+    _S("vllm._custom_ops:CPUDNNLGEMMHandler.dtor", "attribute", "CPU fixes",
+       "the release op (`release_dnnl_matmul_handler`)"),
 ]
 
 

@@ -22,3 +22,23 @@ def stock_cpu_attention_unguarded() -> None:
 
     stock_cpu_attention()
     runner.check_tree_capable_layers = lambda *a, **k: None
+
+
+def stock_cuda_attention() -> None:
+    """CUDA: the ``DDTREE`` backend name resolves to vLLM's stock Triton
+    attention, whose forward ignores the tree mask."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    from vllm_ddtree.plugin import register
+
+    register()
+    register_backend(AttentionBackendEnum["DDTREE"],
+                     "vllm.v1.attention.backends.triton_attn.TritonAttentionBackend")
+
+
+def stock_cuda_attention_unguarded() -> None:
+    """As above, with the start-up guard disabled too."""
+    import vllm_ddtree.runner as runner
+
+    stock_cuda_attention()
+    runner.check_tree_capable_layers = lambda *a, **k: None

@@ -238,8 +238,8 @@ def test_tree_rows_refuse_unreadable_layouts():
     with pytest.raises(RuntimeError, match="amx"):
         step.run(step.impl, tree=True)
     step.layer.isa = "vec"
-    step.impl.sliding_window = 8
-    with pytest.raises(NotImplementedError, match="sliding window"):
+    step.impl.alibi_slopes = torch.ones(4)
+    with pytest.raises(NotImplementedError, match="ALiBi"):
         step.run(step.impl, tree=True)
 
 

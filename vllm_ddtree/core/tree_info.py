@@ -22,8 +22,11 @@ class TreeAttentionInfo:
     batch: little-endian packed bits over the request's own query span (bit
     ``j % 32`` of word ``j // 32``: "sees tree node j"); rows of non-tree
     requests are ignored. ``is_tree``: bool ``[num_reqs]`` on the mask's
-    device. ``plans``: per-step data derived once and shared by every layer
-    (e.g. the CPU batched plan), keyed by the backend.
+    device. ``depth``: int32 ``[num_tokens]`` (optional) the tree depth of
+    each row's node (root 0), which places tree node ``j`` at logical
+    position ``ctx_len + depth`` for sliding-window layers; rows of non-tree
+    requests are ignored. ``plans``: per-step data derived once and shared
+    by every layer (e.g. the CPU batched plan), keyed by the backend.
 
     The runner also passes the host-side facts it already has, so that no
     backend has to read them back from the device: ``tree_reqs`` (the indices
@@ -37,12 +40,14 @@ class TreeAttentionInfo:
     is_tree: torch.Tensor
     _tree_reqs: tuple[int, ...] | None = field(default=None, repr=False)
     max_tree_query_len: int | None = None
+    depth: torch.Tensor | None = None
     plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def create(cls, mask: torch.Tensor, is_tree: torch.Tensor,
                tree_reqs: tuple[int, ...] | None = None,
-               max_tree_query_len: int | None = None) -> TreeAttentionInfo:
+               max_tree_query_len: int | None = None,
+               depth: torch.Tensor | None = None) -> TreeAttentionInfo:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.int32:
             raise TypeError(f"TreeAttentionInfo.mask must be an int32 tensor, got "
                             f"{getattr(mask, 'dtype', type(mask))}")
@@ -61,8 +66,19 @@ class TreeAttentionInfo:
         if tree_reqs is not None and len(tree_reqs) and max(tree_reqs) >= is_tree.shape[0]:
             raise ValueError(f"TreeAttentionInfo.tree_reqs {tree_reqs} out of range for "
                              f"{is_tree.shape[0]} requests")
+        if depth is not None:
+            if not isinstance(depth, torch.Tensor) or depth.dtype != torch.int32:
+                raise TypeError(f"TreeAttentionInfo.depth must be an int32 tensor, got "
+                                f"{getattr(depth, 'dtype', type(depth))}")
+            if depth.shape != mask.shape[:1]:
+                raise ValueError(f"TreeAttentionInfo.depth must be 1-D [num_tokens="
+                                 f"{mask.shape[0]}] like the mask's rows, got shape "
+                                 f"{tuple(depth.shape)}")
+            if depth.device != mask.device:
+                raise ValueError(f"TreeAttentionInfo.depth is on {depth.device} but mask is "
+                                 f"on {mask.device}")
         return cls(mask=mask, is_tree=is_tree, _tree_reqs=tree_reqs,
-                   max_tree_query_len=max_tree_query_len)
+                   max_tree_query_len=max_tree_query_len, depth=depth)
 
     def tree_reqs(self) -> tuple[int, ...]:
         """Indices of the tree requests on the host: as given to

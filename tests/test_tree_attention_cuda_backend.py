@@ -83,6 +83,7 @@ def _metadata(batch, tree: bool):
         block_table=batch.block_table,
         causal=True,
         mm_prefix_range_tensor=None,
+        rswa_window=None,
     )
     md.ddtree = (TreeAttentionInfo.create(batch.tree_mask, batch.is_tree, depth=batch.depth)
                  if tree else None)

@@ -115,9 +115,6 @@ class TreeAttentionImplMixin:
         per target layer at start-up (the engine refuses to start)."""
         if self.attn_type != AttentionType.DECODER:
             return f"attention type {self.attn_type}"
-        window = self.sliding_window
-        if isinstance(window, tuple) and window != (-1, -1) and window[1] != 0:
-            return f"a sliding window that looks ahead {window[1]} positions"
         if self.alibi_slopes is not None:
             return "ALiBi"
         if self.logits_soft_cap:
@@ -129,7 +126,8 @@ class TreeAttentionImplMixin:
     def tree_sliding_window(self) -> int | None:
         """The layer's window as the number of positions a query sees (itself
         included), or None. The CPU impl keeps vLLM's int (-1: none); the
-        Triton impl keeps ``(window - 1, 0)`` (``(-1, -1)``: none)."""
+        Triton impl keeps a decoder layer's as ``(window - 1, 0)`` (``(-1,
+        -1)``: none)."""
         window = self.sliding_window
         if window in (-1, (-1, -1), None):
             return None
@@ -403,7 +401,7 @@ if TritonAttentionBackend is not None:
         def _step_unsupported_reason(self, attn_metadata, output_scale, output_block_scale):
             if attn_metadata.mm_prefix_range_tensor is not None:
                 return "multimodal prefix ranges"
-            if getattr(attn_metadata, "rswa_window", None) is not None:
+            if attn_metadata.rswa_window is not None:
                 return "restricted sliding window (rswa_window)"
             return super()._step_unsupported_reason(attn_metadata, output_scale,
                                                     output_block_scale)

@@ -83,7 +83,6 @@ def _metadata(batch, tree: bool):
         block_table=batch.block_table,
         causal=True,
         mm_prefix_range_tensor=None,
-        rswa_window=None,
     )
     md.ddtree = (TreeAttentionInfo.create(batch.tree_mask, batch.is_tree, depth=batch.depth)
                  if tree else None)
@@ -146,12 +145,7 @@ def test_forward_with_sliding_window_and_sinks(monkeypatch):
     torch.testing.assert_close(out[:n], ref[:n], atol=2e-5, rtol=2e-5)
     assert torch.all(out[n:] == 5.0)
     assert not torch.allclose(ref[:n], tree_attention_reference(*batch.args())[:n], atol=1e-2)
-    # an unwindowed layer reads no window; restricted SWA metadata is refused
-    assert _impl(8, 2, 32).tree_sliding_window() is None
-    md.rswa_window = 128
-    with pytest.raises(NotImplementedError, match="rswa"):
-        impl.forward(layer, batch.query, torch.empty(0), torch.empty(0), batch.kv_cache, md,
-                     out)
+    assert _impl(8, 2, 32).tree_sliding_window() is None  # an unwindowed layer
 
 
 def test_kv_capture_goes_through_the_stock_cache_write(monkeypatch):

@@ -401,8 +401,6 @@ if TritonAttentionBackend is not None:
         def _step_unsupported_reason(self, attn_metadata, output_scale, output_block_scale):
             if attn_metadata.mm_prefix_range_tensor is not None:
                 return "multimodal prefix ranges"
-            if attn_metadata.rswa_window is not None:
-                return "restricted sliding window (rswa_window)"
             return super()._step_unsupported_reason(attn_metadata, output_scale,
                                                     output_block_scale)
 

@@ -133,7 +133,8 @@ int ddtree_tree_attention(
         l[row] = sinks ? 1.f : 0.f;
       }
       /* Keys before lo are outside every node's window (the tree's own span
-       * is always read); blocks from all_lo on are inside all of them. */
+       * is always read), so blocks wholly before lo, which vLLM may have
+       * freed, are skipped; blocks from all_lo on are inside every window. */
       const int32_t *dep = window > 0 ? depth + qs : NULL;
       int64_t lo = 0, all_lo = 0;
       if (dep) {
@@ -165,7 +166,6 @@ int ddtree_tree_attention(
           v = vbuf;
         }
         const int all_visible = t0 + tn <= ctx && t0 >= all_lo;
-        const int64_t t_lo = lo > t0 ? lo - t0 : 0; /* keys before lo: no weight */
         for (int64_t tile = 0; tile < tiles; ++tile) {
           const float *qt = qbuf + tile * RT * D;
           /* S = Q K^T over the whole block, 8 keys x RT rows in registers. */
@@ -220,13 +220,12 @@ int ddtree_tree_attention(
             float *ar = acc + row * D;
             for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
           }
-          /* acc += P V, 8 head dims x RT rows in registers; t_lo <= t < tn
-           * only (past the sequence, or in a block freed for falling out of
-           * every window, V may be anything, even NaN). */
+          /* acc += P V, 8 head dims x RT rows in registers; t < tn only
+           * (past the sequence V may be anything, even NaN). */
           for (int64_t c = 0; c < D; c += 8) {
             v8f a[RT];
             for (int i = 0; i < RT; ++i) a[i] = load8(acc + (tile * RT + i) * D + c);
-            for (int64_t t = t_lo; t < tn; ++t) {
+            for (int64_t t = 0; t < tn; ++t) {
               const v8f vv = load8(v + t * D + c);
               for (int i = 0; i < RT; ++i) a[i] += s[i * BS + t] * vv;
             }

@@ -397,3 +397,28 @@ def test_tree_info_carries_validated_depth():
         TreeAttentionInfo.create(mask, is_tree, depth=depth.long())
     with pytest.raises(ValueError, match="depth must be 1-D"):
         TreeAttentionInfo.create(mask, is_tree, depth=depth[:4])
+
+
+def test_kernels_follow_the_rule_for_any_depths(native):
+    """The rule holds for any per-row depths, not only a tree's (whose node j
+    always has depth <= j): the kernels' skipping of keys outside every
+    window must not rely on that."""
+    reqs = [Req(45, 40, _tree(40, 7)), Req(12, 1), Req(3, 33, _tree(33, 8))]
+    batch = build_batch(reqs, 8, 2, 32, BS, torch.float32, "cpu_vec", "cpu", seed=7)
+    gen = torch.Generator().manual_seed(0)
+    batch.depth[:] = torch.randint(0, 80, batch.depth.shape, generator=gen, dtype=torch.int32)
+    kw = dict(sliding_window=6, sinks=_sinks(8), depth=batch.depth)
+    ref = tree_attention_reference(*batch.args(), **kw)
+    rows = _tree_rows(batch)
+    out_k = ta.tree_attention(*batch.args(), max_query_len=40, **kw)
+    torch.testing.assert_close(out_k, ref, atol=2e-5, rtol=2e-5)
+    out_n = cpu_native.tree_attention_native(
+        native, batch.query, batch.kv_cache, batch.block_table, batch.query_start_loc,
+        batch.seq_lens, torch.tensor([0, 2]), batch.tree_mask, batch.scale,
+        torch.zeros_like(batch.query), **kw)
+    torch.testing.assert_close(out_n[rows], ref[rows], atol=2e-5, rtol=2e-5)
+    plan = plan_tree_batch(batch.query_start_loc, batch.seq_lens, batch.block_table, BS,
+                           batch.tree_mask, [0, 2], sliding_window=6, depth=batch.depth)
+    out_b = tree_attention_batched(batch.query, batch.kv_cache, plan, batch.scale,
+                                   torch.zeros_like(batch.query), sinks=kw["sinks"])
+    torch.testing.assert_close(out_b[rows], ref[rows], atol=2e-5, rtol=2e-5)

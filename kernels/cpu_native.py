@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from vllm_ddtree.kernels.reference import check_sinks, check_sliding_window
+
 __all__ = ["ENV_CACHE", "ENV_DISABLE", "NativeKernels", "build_tree_native", "load",
            "move_slots_native", "tree_attention_native"]
 
@@ -68,7 +70,7 @@ class NativeKernels:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
         attn = lib.ddtree_tree_attention
         attn.argtypes = [p, i64, i64, p, i32, i64, i64, i64, p, i64, p, p, p, i64, p, i64, i64,
-                         ctypes.c_float, p, i64, i64]
+                         ctypes.c_float, i64, p, p, p, i64, i64]
         attn.restype = ctypes.c_int
         build = lib.ddtree_build_tree
         build.argtypes = [p, i64, i64, i64, i64, p, p, p, p, p, p]
@@ -141,6 +143,9 @@ def tree_attention_native(
     tree_mask: torch.Tensor,
     scale: float,
     output: torch.Tensor,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    depth: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write the rows of the requests ``tree_reqs`` (int64) of ``output``.
 
@@ -148,7 +153,10 @@ def tree_attention_native(
     in D; ``kv_cache``: one layer's contiguous "vec" cache ``[num_blocks, Hk,
     block_size, 2 * D]`` (float32 or bfloat16); ``block_table`` ``[R, *]``,
     ``query_start_loc`` ``[R + 1]`` and ``seq_lens`` ``[R]`` int32;
-    ``tree_mask`` ``[num_tokens, W]`` int32, contiguous.
+    ``tree_mask`` ``[num_tokens, W]`` int32, contiguous. ``sliding_window``
+    (None or -1: none), ``sinks`` (float ``[Hq]``, any float dtype) and
+    ``depth`` (int32 ``[num_tokens]``, contiguous; required with a window)
+    as in :func:`~vllm_ddtree.kernels.reference.tree_attention_reference`.
     """
     num_blocks, num_kv_heads, block_size, two_d = kv_cache.shape
     head_size = two_d // 2
@@ -174,17 +182,30 @@ def tree_attention_native(
             and tree_reqs.is_contiguous()):
         raise ValueError("tree_attention_native: query_start_loc, seq_lens and tree_reqs "
                          "must be contiguous")
+    window = check_sliding_window(sliding_window)
+    check_sinks(sinks, query.shape[1], query.device)
+    if window is not None:
+        if (depth is None or depth.dtype != torch.int32 or depth.device.type != "cpu"
+                or depth.dim() != 1 or not depth.is_contiguous()
+                or depth.shape[0] < query.shape[0]):
+            raise ValueError(
+                "tree_attention_native: depth: a sliding window needs each tree row's node "
+                f"depth as a contiguous CPU int32 [num_tokens={query.shape[0]}] tensor, got "
+                f"{None if depth is None else (depth.dtype, tuple(depth.shape))}")
+    sinks32 = None if sinks is None else sinks.to(torch.float32).contiguous()
     status = lib.attention(
         _ptr(query), query.stride(0), query.stride(1),
         _ptr(kv_cache), KV_DTYPES[kv_cache.dtype], num_kv_heads, block_size, head_size,
         _ptr(block_table), block_table.stride(0),
         _ptr(query_start_loc), _ptr(seq_lens), _ptr(tree_reqs), tree_reqs.numel(),
         _ptr(tree_mask), tree_mask.shape[1], query.shape[1], float(scale),
+        window or 0, None if window is None else _ptr(depth),
+        None if sinks32 is None else _ptr(sinks32),
         _ptr(output), output.stride(0), output.stride(1),
     )  # fmt: skip
     if status != 0:
         raise ValueError(
-            {-1: "bad head counts, block size or cache dtype",
+            {-1: "bad head counts, block size, cache dtype or window",
              -2: "a tree request's query is longer than its sequence or its mask",
              -3: "out of memory"}.get(status, f"status {status}")
             + " (tree_attention_native)")

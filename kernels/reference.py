@@ -23,6 +23,50 @@ step's, are read from the paged cache through ``block_table``.
 of word ``j // 32`` means "sees tree node j". Rows of non-tree requests are
 ignored. A query row that sees no key at all produces zeros.
 
+Sliding window
+--------------
+``sliding_window`` is the number of most recent logical positions a query
+sees, itself included (the model config's ``sliding_window``); None or -1
+means no window. Every position has a logical (RoPE) position: a context
+key and every query of a causal request sit at their flat position, while
+tree node ``j`` is stored at flat slot ``ctx_len + j`` but sits at logical
+position ``ctx_len + depth[query_start_loc[r] + j]`` (``depth`` is an int32
+``[num_tokens]`` tensor holding each tree row's node depth, root 0; rows of
+causal requests are ignored). A key that the rules above make visible stays
+visible iff ``query_logical - key_logical < sliding_window``. So tree node
+``i`` sees the context positions ``p >= ctx_len + depth_i -
+sliding_window + 1`` and the ancestors ``j`` with ``depth_i - depth_j <
+sliding_window``; a causal query at ``q`` sees ``q - sliding_window < p <=
+q``. This is vLLM 0.32's rule, in both stock backends:
+
+* Triton (``v1/attention/backends/triton_attn.py:479-484``): a decoder
+  layer's ``sliding_window`` is stored as ``(sliding_window - 1, 0)``;
+  ``v1/attention/ops/triton_unified_attention.py:1141`` passes
+  ``SLIDING_WINDOW = 1 + window_size[0]`` to the kernel, and
+  ``v1/attention/ops/triton_attention_helpers.py:359,373,381`` keep key
+  ``k`` for query ``q`` iff ``k <= q and q - k < SLIDING_WINDOW``.
+* CPU (``v1/attention/backends/cpu_attn.py:321-324,450``): the impl keeps
+  ``sliding_window`` as given (-1 for none) and passes it to the C++ op,
+  whose scheduler turns a causal window ``w != -1`` into a left window of
+  ``w - 1`` and a right window of 0 (``csrc/cpu/cpu_attn_impl.hpp``,
+  ``calcu_sliding_window_size``; not shipped in the wheel). The test suite
+  checks this rule against the installed op.
+
+Attention sinks
+---------------
+``sinks`` is a float ``[num_q_heads]`` tensor: head ``h``'s sink is one more
+logit, ``sinks[h]`` as given (not multiplied by ``scale``), that enters the
+softmax denominator and carries no value:
+``out = sum_k exp(s_k) v_k / (exp(sinks[h]) + sum_k exp(s_k))`` with
+``s_k = scale * q.k`` over the visible keys. A row that sees no key still
+produces zeros. vLLM 0.32 does the same: the Triton kernel seeds its online
+softmax with ``M = sinks[h]``, ``L = 1`` (``triton_unified_attention.py:377-380``,
+``triton_attention_helpers.py:137``) and then accumulates ``exp(S - M)``
+with ``S = scale * q.k`` in natural-log space (``triton_unified_attention.py:547``,
+``triton_attention_helpers.py:477,483``); the CPU op receives the same
+tensor as ``s_aux`` (``cpu_attn.py:435-439,454``; bf16 or fp32) and seeds its
+running max with it and its running sum with 1.
+
 KV cache views
 --------------
 Both implementations take ``key_cache``/``value_cache`` as logical
@@ -33,10 +77,13 @@ strides, so one code path reads several physical layouts
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["tree_attention_reference", "unpack_tree_mask"]
+__all__ = ["check_sinks", "check_sliding_window", "tree_attention_reference",
+           "unpack_tree_mask"]
 
 
 def unpack_tree_mask(mask_rows: torch.Tensor, n: int) -> torch.Tensor:
@@ -44,6 +91,36 @@ def unpack_tree_mask(mask_rows: torch.Tensor, n: int) -> torch.Tensor:
     j = torch.arange(n, device=mask_rows.device)
     words = mask_rows[:, j // 32].to(torch.int64)
     return ((words >> (j % 32)) & 1).bool()
+
+
+def check_sliding_window(sliding_window: int | None) -> int | None:
+    """The window as a positive number of positions, or None for no window
+    (``None`` or -1, vLLM's two spellings of "no window")."""
+    if sliding_window is None or sliding_window == -1:
+        return None
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, numbers.Integral) \
+            or sliding_window < 1:
+        raise ValueError(
+            f"sliding_window must be a positive number of positions (the model's "
+            f"window), or None/-1 for no window; got {sliding_window!r}"
+        )
+    return int(sliding_window)
+
+
+def check_sinks(sinks: torch.Tensor | None, num_q_heads: int, device) -> None:
+    """Raise ``ValueError`` unless ``sinks`` is None or a floating ``[num_q_heads]``
+    tensor on ``device``."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() \
+            or sinks.shape != (num_q_heads,):
+        raise ValueError(
+            f"sinks: expected a float tensor [num_q_heads={num_q_heads}] (one logit "
+            f"per query head), got {getattr(sinks, 'dtype', type(sinks))} "
+            f"{tuple(getattr(sinks, 'shape', ()))}"
+        )
+    if sinks.device != torch.device(device):
+        raise ValueError(f"sinks: on {sinks.device}, query on {device}; move it there")
 
 
 def _gather_request_kv(
@@ -68,6 +145,9 @@ def tree_attention_reference(
     is_tree: torch.Tensor | None = None,
     output: torch.Tensor | None = None,
     tree_only: bool = False,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    depth: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for a ragged batch with optional tree requests.
 
@@ -84,12 +164,21 @@ def tree_attention_reference(
         output: optional ``[num_tokens, num_q_heads, head_size]`` to write
             into; rows of requests that are not computed are left untouched.
         tree_only: compute only tree requests.
+        sliding_window: positions a query sees, itself included; None or -1
+            for no window (see the module docstring).
+        sinks: float ``[num_q_heads]`` sink logits, or None.
+        depth: int32 ``[num_tokens]`` node depth of every tree row; needed
+            with a window when there are tree requests.
 
     Returns:
         ``output`` (allocated with ``query``'s dtype when not given).
 
     Every request is computed with one SDPA call in fp32 over its gathered
-    K/V and an explicit bool mask, then cast to the output dtype.
+    K/V and an explicit bool mask, then cast to the output dtype. Sinks
+    join that call as one extra key with zero K and V whose logit is set by
+    an additive mask. With a window, K/V of keys no row of the request sees
+    are zeroed first: vLLM frees cache blocks that fall out of every
+    window, so they may hold anything.
     """
     if output is None:
         output = torch.zeros_like(query)
@@ -102,6 +191,8 @@ def tree_attention_reference(
             f"({num_kv_heads})"
         )
     group = num_q_heads // num_kv_heads
+    window = check_sliding_window(sliding_window)
+    check_sinks(sinks, num_q_heads, query.device)
 
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -110,6 +201,13 @@ def tree_attention_reference(
     else:
         tree_set = {i for i, f in enumerate(is_tree.tolist()) if f}
     reqs = sorted(tree_set) if tree_only else range(num_reqs)
+    if window is not None and tree_set:
+        if depth is None or depth.dim() != 1 or depth.shape[0] < query.shape[0]:
+            raise ValueError(
+                f"depth: a sliding window over tree requests needs each tree row's "
+                f"node depth as an int [num_tokens={query.shape[0]}] tensor, got "
+                f"{None if depth is None else tuple(depth.shape)}"
+            )
 
     for r in reqs:
         q_start, q_end = qsl[r], qsl[r + 1]
@@ -137,14 +235,34 @@ def tree_attention_reference(
             visible = pos[None, :] < ctx_len
             visible = visible.expand(q_len, seq_len).clone()
             visible[:, ctx_len:] = unpack_tree_mask(tree_mask[q_start:q_end], q_len)
+            if window is not None:
+                assert depth is not None
+                node_pos = ctx_len + depth[q_start:q_end].to(pos.device, torch.long)
+                q_pos, k_pos = node_pos, torch.cat([pos[:ctx_len], node_pos])
         else:
             q_pos = ctx_len + torch.arange(q_len, device=query.device)
             visible = pos[None, :] <= q_pos[:, None]
+            k_pos = pos
+        if window is not None:
+            visible &= q_pos[:, None] - k_pos[None, :] < window
+            seen = visible.any(dim=0)[:, None, None]
+            k = torch.where(seen, k, 0)
+            v = torch.where(seen, v, 0)
 
         q = query[q_start:q_end].transpose(0, 1).float()  # [Hq, q_len, D]
         k = k.transpose(0, 1).float().repeat_interleave(group, dim=0)
         v = v.transpose(0, 1).float().repeat_interleave(group, dim=0)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+        if sinks is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
+        else:
+            bias = torch.zeros(visible.shape, device=q.device).masked_fill_(~visible,
+                                                                            float("-inf"))
+            sink = sinks.float()[:, None, None].expand(-1, q_len, 1)
+            bias = torch.cat([bias.expand(num_q_heads, -1, -1), sink], dim=2)
+            zero = k.new_zeros(num_q_heads, 1, k.shape[2])
+            out = F.scaled_dot_product_attention(q, torch.cat([k, zero], 1),
+                                                 torch.cat([v, zero], 1),
+                                                 attn_mask=bias, scale=scale)
         out = torch.where(visible.any(dim=1)[None, :, None], out, 0.0)
         output[q_start:q_end] = out.transpose(0, 1).to(output.dtype)
     return output

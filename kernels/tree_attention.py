@@ -4,7 +4,9 @@ Same semantics and argument conventions as
 :func:`vllm_ddtree.kernels.reference.tree_attention_reference` (see that
 module's docstring): a ragged batch of causal requests and tree requests, the
 latter masked over their own query span by a packed little-endian ancestor
-mask, with the committed context fully visible.
+mask, with the committed context fully visible; optionally a sliding window
+over logical positions (a tree node's is ``ctx_len + depth``) and per-head
+attention sinks.
 
 K and V are addressed through explicit strides of logical
 ``[num_blocks, block_size, num_kv_heads, head_size]`` views, so the same kernel
@@ -15,8 +17,11 @@ One program handles BLOCK_M query rows (BLOCK_Q query tokens times the query
 heads sharing one KV head) of one request against that KV head, streaming the
 keys in BLOCK_N tiles with an online softmax in fp32. Keys visible to every row
 of the tile (the context for a tree request; up to the tile's first query for a
-causal one) go through an unmasked loop; the remaining tiles apply the causal
-or tree mask. The grid is sized from shapes only (no host sync).
+causal one; with a window, only those inside every row's window) go through an
+unmasked loop; the remaining tiles apply the causal or tree mask and the
+window. Tiles below every row's window are not read. A sink seeds the online
+softmax (running max = the sink, running sum = 1). The grid is sized from
+shapes only (no host sync).
 
 fp32 inputs use IEEE fp32 dot products (no TF32). On a machine without a GPU
 the kernel runs in Triton's interpreter, which must be enabled with
@@ -32,6 +37,8 @@ import inspect
 import torch
 import triton
 import triton.language as tl
+
+from vllm_ddtree.kernels.reference import check_sinks, check_sliding_window
 
 __all__ = [
     "INTERPRETED",
@@ -58,17 +65,22 @@ def _attend_tile(
     v_ptr,
     bt_row_ptr,
     mask_ptr,
+    depth_ptr,
     kv_head,
     tok,
     q_pos,
+    q_lpos,
     row_valid,
     offs_d,
     d_valid,
     kv_end,
     ctx_len,
+    q_start,
     q_len,
     is_tree,
     qk_scale,
+    window,
+    v_lo,
     stride_k_b,
     stride_k_t,
     stride_k_h,
@@ -79,11 +91,13 @@ def _attend_tile(
     stride_v_d,
     stride_m_t,
     stride_m_w,
+    stride_d,
     mask_words,
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     MASKED: tl.constexpr,
     HAS_TREE: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     pos = start + tl.arange(0, BLOCK_N)
@@ -109,6 +123,11 @@ def _attend_tile(
         mask=in_range[:, None] & d_valid[None, :],
         other=0.0,
     )
+    if USE_WINDOW and MASKED:
+        # Keys below v_lo are outside every row's window; their blocks may
+        # have been freed and hold anything, which a zero weight would not
+        # cancel (0 * NaN).
+        v = tl.where((pos >= v_lo)[:, None], v, 0.0)
     if DOT_FP32:
         s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
     else:
@@ -130,6 +149,20 @@ def _attend_tile(
             bit = (word >> (jj % 32)[None, :]) & 1
             tree_visible = (pos[None, :] < ctx_len) | (in_span[None, :] & (bit != 0))
             visible = tl.where(is_tree, tree_visible, visible)
+            if USE_WINDOW:
+                # tree node j sits at logical position ctx_len + depth(j)
+                key_depth = tl.load(
+                    depth_ptr + (q_start + jj).to(tl.int64) * stride_d,
+                    mask=in_span & in_range,
+                    other=0,
+                )
+                k_lpos = tl.where(in_span & is_tree, ctx_len + key_depth, pos)
+            else:
+                k_lpos = pos
+        else:
+            k_lpos = pos
+        if USE_WINDOW:
+            visible = visible & ((q_lpos[:, None] - k_lpos[None, :]) < window)
         s = tl.where(visible, s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -156,7 +189,10 @@ def _tree_attention_kernel(
     seq_lens_ptr,
     mask_ptr,
     is_tree_ptr,
+    depth_ptr,
+    sinks_ptr,
     qk_scale,
+    window,
     num_reqs,
     mask_words,
     stride_q_t,
@@ -176,6 +212,7 @@ def _tree_attention_kernel(
     stride_bt_r,
     stride_m_t,
     stride_m_w,
+    stride_d,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     QUERIES_PER_KV: tl.constexpr,
@@ -185,6 +222,8 @@ def _tree_attention_kernel(
     PAGE_SIZE: tl.constexpr,
     HAS_TREE: tl.constexpr,
     TREE_ONLY: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SINKS: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     # Program (tile, kv_head). Request r owns tiles starting at
@@ -242,8 +281,15 @@ def _tree_attention_kernel(
         other=0.0,
     )
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if USE_SINKS:
+        # The sink is one more logit (log2 units here, unscaled) with no
+        # value: the running max starts at it and the running sum at 1.
+        sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32)
+        m_i = sink * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
 
     last_q = tl.minimum(first_q + BLOCK_Q, q_len) - 1
@@ -252,27 +298,56 @@ def _tree_attention_kernel(
     kv_end = tl.where(is_tree, seq_len, ctx_len + last_q + 1)
     split = (full_end // BLOCK_N) * BLOCK_N
 
+    # Logical (RoPE) position of each row: a tree node's is ctx_len + depth.
+    q_lpos = q_pos
+    lo = q_len * 0
+    v_lo = lo
+    mid = lo
+    if USE_WINDOW:
+        if HAS_TREE:
+            row_depth = tl.load(depth_ptr + tok * stride_d, mask=row_valid, other=0)
+            q_lpos = tl.where(is_tree, ctx_len + row_depth, q_pos)
+        # Keys below v_lo are outside every row's window (a tree's own span
+        # is always walked); keys from full_lo on are inside all of them.
+        v_lo = tl.maximum(tl.min(tl.where(row_valid, q_lpos, 1 << 30)) - window + 1, 0)
+        v_lo = tl.where(is_tree, tl.minimum(v_lo, ctx_len), v_lo)
+        full_lo = tl.maximum(tl.max(tl.where(row_valid, q_lpos, 0)) - window + 1, 0)
+        lo = (v_lo // BLOCK_N) * BLOCK_N
+        mid = tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, lo)
+    hi = tl.maximum(split, mid)
+
     bt_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt_r
 
-    for start in range(0, split, BLOCK_N):
+    # [lo, mid) and [hi, kv_end) are masked; [mid, hi) is visible to all rows.
+    for start in range(lo, mid, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, start, k_ptr, v_ptr, bt_row_ptr, mask_ptr,
-            kv_head, tok, q_pos, row_valid, offs_d, d_valid, kv_end, ctx_len,
-            q_len, is_tree, qk_scale,
+            q, acc, m_i, l_i, start, k_ptr, v_ptr, bt_row_ptr, mask_ptr, depth_ptr,
+            kv_head, tok, q_pos, q_lpos, row_valid, offs_d, d_valid, kv_end, ctx_len,
+            q_start, q_len, is_tree, qk_scale, window, v_lo,
             stride_k_b, stride_k_t, stride_k_h, stride_k_d,
             stride_v_b, stride_v_t, stride_v_h, stride_v_d,
-            stride_m_t, stride_m_w, mask_words,
-            BLOCK_N, PAGE_SIZE, False, HAS_TREE, DOT_FP32,
+            stride_m_t, stride_m_w, stride_d, mask_words,
+            BLOCK_N, PAGE_SIZE, True, HAS_TREE, USE_WINDOW, DOT_FP32,
         )  # fmt: skip
-    for start in range(split, kv_end, BLOCK_N):
+    for start in range(mid, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, start, k_ptr, v_ptr, bt_row_ptr, mask_ptr,
-            kv_head, tok, q_pos, row_valid, offs_d, d_valid, kv_end, ctx_len,
-            q_len, is_tree, qk_scale,
+            q, acc, m_i, l_i, start, k_ptr, v_ptr, bt_row_ptr, mask_ptr, depth_ptr,
+            kv_head, tok, q_pos, q_lpos, row_valid, offs_d, d_valid, kv_end, ctx_len,
+            q_start, q_len, is_tree, qk_scale, window, v_lo,
             stride_k_b, stride_k_t, stride_k_h, stride_k_d,
             stride_v_b, stride_v_t, stride_v_h, stride_v_d,
-            stride_m_t, stride_m_w, mask_words,
-            BLOCK_N, PAGE_SIZE, True, HAS_TREE, DOT_FP32,
+            stride_m_t, stride_m_w, stride_d, mask_words,
+            BLOCK_N, PAGE_SIZE, False, HAS_TREE, USE_WINDOW, DOT_FP32,
+        )  # fmt: skip
+    for start in range(hi, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, start, k_ptr, v_ptr, bt_row_ptr, mask_ptr, depth_ptr,
+            kv_head, tok, q_pos, q_lpos, row_valid, offs_d, d_valid, kv_end, ctx_len,
+            q_start, q_len, is_tree, qk_scale, window, v_lo,
+            stride_k_b, stride_k_t, stride_k_h, stride_k_d,
+            stride_v_b, stride_v_t, stride_v_h, stride_v_d,
+            stride_m_t, stride_m_w, stride_d, mask_words,
+            BLOCK_N, PAGE_SIZE, True, HAS_TREE, USE_WINDOW, DOT_FP32,
         )  # fmt: skip
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -316,6 +391,8 @@ def kernel_constexprs(
     has_tree: bool,
     tree_only: bool = False,
     max_query_len: int | None = None,
+    use_window: bool = False,
+    use_sinks: bool = False,
 ) -> dict:
     """The compile-time parameters of one launch."""
     block_m, block_q, block_n = select_tile_sizes(
@@ -331,6 +408,8 @@ def kernel_constexprs(
         PAGE_SIZE=page_size,
         HAS_TREE=has_tree,
         TREE_ONLY=tree_only,
+        USE_WINDOW=use_window,
+        USE_SINKS=use_sinks,
         DOT_FP32=_dot_in_fp32(dtype),
     )
 
@@ -364,6 +443,7 @@ def check_tree_attention_args(*args, **kwargs) -> None:
                                               a["seq_lens"])
     tree_mask, is_tree, output = a["tree_mask"], a["is_tree"], a["output"]
     tree_only, max_query_len = a["tree_only"], a["max_query_len"]
+    sinks, depth = a["sinks"], a["depth"]
     _check(
         query.dtype in _SUPPORTED_DTYPES,
         f"query: dtype {query.dtype} not supported (fp16, bf16, fp32)",
@@ -466,6 +546,24 @@ def check_tree_attention_args(*args, **kwargs) -> None:
     else:
         _check(not tree_only, "tree_only requires tree_mask and is_tree")
 
+    window = check_sliding_window(a["sliding_window"])
+    check_sinks(sinks, num_q_heads, query.device)
+    if window is not None and has_tree:
+        _check(
+            depth is not None,
+            "depth: a sliding window over tree requests needs each tree row's node "
+            "depth (int32 [num_tokens]); pass TreeAttentionInfo.depth",
+        )
+    if depth is not None:
+        _check(
+            depth.dtype == torch.int32 and depth.dim() == 1
+            and depth.shape[0] >= num_tokens,
+            f"depth: expected int32 [num_tokens={num_tokens}], got {depth.dtype} "
+            f"{tuple(depth.shape)}",
+        )
+        _check(depth.device == query.device, f"depth: on {depth.device}, query on "
+               f"{query.device}")
+
     if output is not None:
         _check(
             output.shape == query.shape and output.dtype == query.dtype,
@@ -495,6 +593,9 @@ def tree_attention(
     output: torch.Tensor | None = None,
     tree_only: bool = False,
     max_query_len: int | None = None,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    depth: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the tree-attention kernel (no host sync, no autotuning, no
     argument checks: see :func:`check_tree_attention_args`).
@@ -503,7 +604,11 @@ def tree_attention(
     ``value_cache`` are ``[num_blocks, block_size, num_kv_heads, head_size]``
     views with any strides. ``max_query_len`` (a host int, optional) only picks
     a smaller query tile for decode-like batches. With ``tree_only`` the
-    kernel writes the rows of tree requests only.
+    kernel writes the rows of tree requests only. ``sliding_window`` (a host
+    int; None or -1: none), ``sinks`` (float ``[num_q_heads]``) and ``depth``
+    (int32 ``[num_tokens]``, read only with a window and tree requests) as
+    in the reference. With a window, tiles of keys outside every window of
+    a query tile are skipped.
     """
     num_tokens, num_q_heads, head_size = query.shape
     num_reqs = seq_lens.shape[0]
@@ -519,6 +624,15 @@ def tree_attention(
         stride_m_t = stride_m_w = mask_words = 0
     if output is None:
         output = torch.empty_like(query)
+    window = check_sliding_window(sliding_window)
+    use_window = window is not None
+    if use_window and has_tree:
+        if depth is None:
+            raise ValueError("depth: a sliding window over tree requests needs each "
+                             "tree row's node depth (int32 [num_tokens])")
+        depth_arg, stride_d = depth, depth.stride(0)
+    else:
+        depth_arg, stride_d = query_start_loc, 0
 
     consts = kernel_constexprs(
         query.dtype,
@@ -528,6 +642,8 @@ def tree_attention(
         has_tree,
         tree_only,
         max_query_len,
+        use_window,
+        sinks is not None,
     )
     grid = (num_tokens // consts["BLOCK_Q"] + num_reqs, num_kv_heads)
     if num_reqs == 0 or num_tokens == 0:
@@ -543,7 +659,10 @@ def tree_attention(
         seq_lens,
         mask_arg,
         is_tree_arg,
+        depth_arg,
+        sinks if sinks is not None else query,
         float(scale) * _LOG2E,
+        window if use_window else 0,
         num_reqs,
         mask_words,
         *query.stride(),
@@ -553,6 +672,7 @@ def tree_attention(
         block_table.stride(0),
         stride_m_t,
         stride_m_w,
+        stride_d,
         **consts,
     )
     return output

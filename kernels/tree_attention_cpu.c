@@ -6,6 +6,13 @@
  * the request's query span) and the tree key ctx + j when bit j of its mask
  * row is set. Keys at or past seq_len are never read.
  *
+ * With a sliding window (window > 0 positions, itself included) node i sits
+ * at logical position ctx + depth[i] and keeps a context key p only when
+ * ctx + depth[i] - p < window, a tree key j only when depth[i] - depth[j] <
+ * window; blocks below every node's window are not read. A sink (one logit
+ * per query head, unscaled, no value) starts the online softmax: running
+ * max = the sink, running sum = 1.
+ *
  * Cache layout ("vec", see kernels/cache_layout.py): per layer
  * [num_blocks, num_kv_heads, block_size, 2 * head_size]; within one
  * (block, head) the first block_size * head_size elements are K^T
@@ -76,10 +83,11 @@ int ddtree_tree_attention(
     int64_t head_size, const int32_t *block_table, int64_t bt_stride,
     const int32_t *query_start_loc, const int32_t *seq_lens, const int64_t *tree_reqs,
     int64_t num_tree_reqs, const int32_t *mask, int64_t mask_words, int64_t num_q_heads,
-    float scale, float *out, int64_t o_stride_tok, int64_t o_stride_head) {
+    float scale, int64_t window, const int32_t *depth, const float *sinks, float *out,
+    int64_t o_stride_tok, int64_t o_stride_head) {
   if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0 || block_size <= 0 ||
       block_size % 8 != 0 || head_size <= 0 || head_size % 8 != 0 ||
-      (kv_dtype != 0 && kv_dtype != 1))
+      (kv_dtype != 0 && kv_dtype != 1) || window < 0 || (window > 0 && !depth))
     return -1;
   const int64_t group = num_q_heads / num_kv_heads;
   const int64_t D = head_size, BS = block_size;
@@ -121,11 +129,26 @@ int ddtree_tree_attention(
         const float *q = query + (qs + rr / group) * q_stride_tok +
                          (h * group + rr % group) * q_stride_head;
         for (int64_t d = 0; d < D; ++d) qbuf[row * D + d] = q[d] * scale;
-        m[row] = -INFINITY;
-        l[row] = 0.f;
+        m[row] = sinks ? sinks[h * group + rr % group] : -INFINITY;
+        l[row] = sinks ? 1.f : 0.f;
+      }
+      /* Keys before lo are outside every node's window (the tree's own span
+       * is always read), so blocks wholly before lo, which vLLM may have
+       * freed, are skipped; blocks from all_lo on are inside every window. */
+      const int32_t *dep = window > 0 ? depth + qs : NULL;
+      int64_t lo = 0, all_lo = 0;
+      if (dep) {
+        int64_t dmin = dep[0], dmax = dep[0];
+        for (int64_t i = 1; i < ql; ++i) {
+          dmin = dep[i] < dmin ? dep[i] : dmin;
+          dmax = dep[i] > dmax ? dep[i] : dmax;
+        }
+        lo = ctx + dmin - window + 1;
+        lo = lo > ctx ? ctx : lo < 0 ? 0 : lo;
+        all_lo = ctx + dmax - window + 1;
       }
       const int64_t nblk = (seq + BS - 1) / BS;
-      for (int64_t b = 0; b < nblk; ++b) {
+      for (int64_t b = lo / BS; b < nblk; ++b) {
         const int64_t blk = block_table[r * bt_stride + b];
         const int64_t t0 = b * BS;
         const int64_t tn = seq - t0 < BS ? seq - t0 : BS;
@@ -142,7 +165,7 @@ int ddtree_tree_attention(
           kt = kbuf;
           v = vbuf;
         }
-        const int all_context = t0 + tn <= ctx;
+        const int all_visible = t0 + tn <= ctx && t0 >= all_lo;
         for (int64_t tile = 0; tile < tiles; ++tile) {
           const float *qt = qbuf + tile * RT * D;
           /* S = Q K^T over the whole block, 8 keys x RT rows in registers. */
@@ -159,14 +182,19 @@ int ddtree_tree_attention(
             float *sc = s + i * BS;
             /* keys past the sequence hold stale values: never seen */
             for (int64_t t = tn; t < BS; ++t) sc[t] = -INFINITY;
-            if (!all_context) {
-              const int32_t *mrow = mask + (qs + (row < rows ? row : rows - 1) / group) * mask_words;
+            if (!all_visible) {
+              const int64_t node = (row < rows ? row : rows - 1) / group;
+              const int32_t *mrow = mask + (qs + node) * mask_words;
+              const int64_t di = dep ? dep[node] : 0;
               for (int64_t t = 0; t < tn; ++t) {
                 const int64_t p = t0 + t;
                 if (p >= ctx) {
                   const int64_t j = p - ctx;
                   const uint32_t word = (uint32_t)mrow[j >> 5];
-                  if (!((word >> (j & 31)) & 1u)) sc[t] = -INFINITY;
+                  if (!((word >> (j & 31)) & 1u) || (dep && di - dep[j] >= window))
+                    sc[t] = -INFINITY;
+                } else if (dep && ctx + di - p >= window) {
+                  sc[t] = -INFINITY;
                 }
               }
             }

@@ -13,6 +13,7 @@ from test_tree_attention_utils import (  # noqa: E402
     Req,
     ancestor_sets,
     make_parents,
+    node_depths,
     pack_words,
     path_attention,
     root_path,
@@ -42,13 +43,17 @@ def _fake_vllm_config(monkeypatch):
 class Step:
     """A hand-built CPU_ATTN step: cache filled through the impl, metadata."""
 
-    def __init__(self, reqs, hq, hkv, hd, bs, dtype, isa, seed=0, table_seed=None):
+    def __init__(self, reqs, hq, hkv, hd, bs, dtype, isa, seed=0, table_seed=None,
+                 window=None, sinks=None):
         gen = torch.Generator().manual_seed(seed)
         table_gen = torch.Generator().manual_seed(seed if table_seed is None else table_seed)
         self.reqs, self.dtype = reqs, dtype
         self.scale = hd**-0.5
-        self.stock = CPUAttentionBackendImpl(hq, hd, self.scale, hkv, None, None, "auto")
-        self.impl = dda.DDTreeCPUAttentionImpl(hq, hd, self.scale, hkv, None, None, "auto")
+        self.window, self.sinks = window, sinks
+        self.stock = CPUAttentionBackendImpl(hq, hd, self.scale, hkv, None, window, "auto",
+                                             sinks=sinks)
+        self.impl = dda.DDTreeCPUAttentionImpl(hq, hd, self.scale, hkv, None, window, "auto",
+                                               sinks=sinks)
         self.layer = SimpleNamespace(
             isa=isa, _k_scale_float=1.0, _v_scale_float=1.0, layer_name="layers.0.attn"
         )
@@ -92,7 +97,8 @@ class Step:
             scheduler_metadata=ops.cpu_attn_get_scheduler_metadata(
                 num_reqs=len(reqs), num_heads=hq, num_kv_heads=hkv, head_dim=hd,
                 seq_lens=self.seq_lens, dtype=dtype, query_start_loc=self.qsl,
-                causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False,
+                causal=True, sliding_window_size=-1 if window is None else window, isa=isa,
+                enable_kv_split=False,
             ),  # fmt: skip
             causal=True,
         )
@@ -111,6 +117,10 @@ class Step:
                 )
         self.mask = mask
         self.is_tree = torch.tensor([bool(r.parents) for r in reqs])
+        self.depth = torch.zeros(self.num_tokens, dtype=torch.int32)
+        for i, r in enumerate(reqs):
+            if r.parents:
+                self.depth[self.qsl[i] : self.qsl[i + 1]] = torch.tensor(node_depths(r.parents))
 
     def slots(self, i, positions):
         pos = torch.tensor(list(positions), dtype=torch.long)
@@ -118,7 +128,8 @@ class Step:
 
     def run(self, impl, tree: bool):
         md = self.metadata
-        md.ddtree = TreeAttentionInfo.create(self.mask, self.is_tree) if tree else None
+        md.ddtree = (TreeAttentionInfo.create(self.mask, self.is_tree, depth=self.depth)
+                     if tree else None)
         out = torch.full_like(self.query, float("nan"))
         impl.forward(self.layer, self.query, self.key, self.value, self.kv_cache, md, out)
         return out
@@ -129,6 +140,13 @@ class Step:
             if r.parents:
                 rows += range(int(self.qsl[i]), int(self.qsl[i + 1]))
         return torch.tensor(rows, dtype=torch.long)
+
+    def reference(self):
+        k_view, v_view = split_kv_cache_cpu_vec(self.kv_cache)
+        return tree_attention_reference(self.query, k_view, v_view, self.block_table,
+                                        self.qsl, self.seq_lens, self.scale, self.mask,
+                                        self.is_tree, sliding_window=self.window,
+                                        sinks=self.sinks, depth=self.depth)  # fmt: skip
 
     def path_check(self, out, atol):
         """Tree rows against fp64 attention over context + root path."""
@@ -208,6 +226,79 @@ def test_mixed_batch(dtype, mode, monkeypatch):
         step.path_check(out, atol=1e-5)
 
 
+def _sinks(hq, seed=0):
+    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(seed)) * 2
+    sinks[0] = 5.0
+    return sinks
+
+
+CAUSAL = [Req(40, 8), Req(33, 1), Req(0, 9), Req(5, 20), Req(70, 3)]
+
+
+@pytest.mark.parametrize("window", [1, 5, 33, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stock_op_follows_the_reference_rule(window, dtype):
+    # vLLM's own CPU op with a window and sinks (causal requests) agrees with
+    # the rule the reference implements: q - k < window, sinks unscaled.
+    step = Step(CAUSAL, 8, 2, 32, 32, dtype, "vec", seed=window, window=window,
+                sinks=_sinks(8))
+    stock = step.run(step.stock, tree=False)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(stock.float(), step.reference().float(), atol=tol, rtol=tol)
+
+
+def _with_native(mode, monkeypatch):
+    """'native' and 'batched' are the torch mode with and without the native
+    kernel; 'triton' runs the Triton kernel in the interpreter."""
+    monkeypatch.setenv(dda.ENV_CPU_ATTN, "triton" if mode == "triton" else "torch")
+    if mode == "batched":
+        monkeypatch.setattr(dda.cpu_native, "load", lambda: None)
+
+
+@pytest.mark.parametrize("mode", ["native", "batched", "triton"])
+@pytest.mark.parametrize("window", [1, 3, 41, 1000])
+def test_chain_trees_with_window_and_sinks_equal_stock(window, mode, monkeypatch):
+    # A chain tree's node j sits at ctx + j, so with a window and sinks its
+    # rows are exactly what vLLM's causal op computes for the same tokens.
+    _with_native(mode, monkeypatch)
+    reqs = [Req(40, 8, _tree(8, 0, "chain")), Req(33, 1), Req(0, 9, _tree(9, 0, "chain")),
+            Req(70, 33, _tree(33, 0, "chain"))]  # fmt: skip
+    step = Step(reqs, 8, 2, 32, 32, torch.float32, "vec", seed=2, window=window,
+                sinks=_sinks(8, 1))
+    stock = step.run(step.stock, tree=False)
+    out = step.run(step.impl, tree=True)
+    torch.testing.assert_close(out, stock, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("mode", ["native", "batched", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_windowed_mixed_batch_with_sinks(dtype, mode, monkeypatch):
+    _with_native(mode, monkeypatch)
+    step = Step(MIXED, 8, 2, 32, 32, dtype, "vec", seed=4, window=3, sinks=_sinks(8, 2))
+    assert step.impl.tree_unsupported_reason() is None
+    stock = step.run(step.stock, tree=False)
+    out = step.run(step.impl, tree=True)
+    rows = step.tree_rows()
+    other = torch.ones(step.num_tokens, dtype=torch.bool)
+    other[rows] = False
+    assert torch.equal(out[other], stock[other])
+    ref = step.reference()
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out[rows].float(), ref[rows].float(), atol=tol, rtol=tol)
+    # the window and the sinks changed the tree rows
+    plain = Step(MIXED, 8, 2, 32, 32, dtype, "vec", seed=4)
+    assert not torch.allclose(out[rows].float(), plain.run(plain.impl, tree=True)[rows].float(),
+                              atol=1e-2)
+
+
+def test_windowed_layer_needs_node_depths():
+    step = Step([Req(3, 4, _tree(4, 0)), Req(2, 1)], 4, 4, 32, 32, torch.float32, "vec",
+                window=2)
+    step.depth = None
+    with pytest.raises(RuntimeError, match="depth"):
+        step.run(step.impl, tree=True)
+
+
 def test_all_tree_batch_skips_the_stock_op(monkeypatch):
     step = Step([Req(12, 5, _tree(5, 0)), Req(0, 3, _tree(3, 1))], 4, 4, 32, 32,
                 torch.float32, "vec")  # fmt: skip
@@ -238,8 +329,8 @@ def test_tree_rows_refuse_unreadable_layouts():
     with pytest.raises(RuntimeError, match="amx"):
         step.run(step.impl, tree=True)
     step.layer.isa = "vec"
-    step.impl.sliding_window = 8
-    with pytest.raises(NotImplementedError, match="sliding window"):
+    step.impl.alibi_slopes = torch.ones(4)
+    with pytest.raises(NotImplementedError, match="ALiBi"):
         step.run(step.impl, tree=True)
 
 

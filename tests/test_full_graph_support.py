@@ -68,11 +68,13 @@ def test_buffers_keep_identity_and_shape_across_steps():
         unbuffered = _plan(None, offered, scheduled, p0s)
         info = rnd.info
         assert (info.mask.data_ptr(), info.is_tree.data_ptr()) == ptrs
+        assert info.depth.data_ptr() == buffers.depth.data_ptr()
         assert (buffers.mask.shape, buffers.is_tree.shape) == shapes
         assert info.buffers is buffers
         total = sum(1 + len(v) for v in scheduled.values())
         # the same masks and flags the round builds without buffers
         assert torch.equal(info.mask, unbuffered.info.mask[:total])
+        assert torch.equal(info.depth, unbuffered.info.depth)
         assert info.is_tree.tolist() == [True] * (n - 1) + [False]
         assert not buffers.is_tree[n:].any()
         seen_masks.append(buffers.mask[:total].clone())

@@ -108,6 +108,10 @@ def test_one_round_without_host_sync(greedy):
     assert rewritten[1 + B: 1 + B + 6].tolist() == [7] + (7 + depth[1, :5]).tolist()
     assert torch.equal(rewritten[-4:], st.positions[-4:])
     assert torch.equal(positions, st.positions)
+    # each tree row's depth is its node's offset from the root's position
+    assert rnd.info.depth.dtype == torch.int32 and rnd.info.depth.shape == (st.total,)
+    assert rnd.info.depth[: 1 + B].tolist() == (rewritten[: 1 + B] - 20).tolist()
+    assert rnd.info.depth[1 + B: 1 + B + 6].tolist() == (rewritten[1 + B: 1 + B + 6] - 7).tolist()
     assert out.shape == (3, 1 + B) and torch.equal(counts.num_accepted, rnd.num_accepted)
     for r in range(2):
         a = int(rnd.num_accepted[r])

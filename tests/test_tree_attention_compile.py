@@ -26,9 +26,11 @@ assert not ta.INTERPRETED
 fn = ta._tree_attention_kernel
 ptr = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
 results = []
-for dtype, head_size, qpk, page, has_tree, tree_only, max_q, cap in json.loads(sys.argv[1]):
+for (dtype, head_size, qpk, page, has_tree, tree_only, max_q, window, sinks,
+     cap) in json.loads(sys.argv[1]):
     dtype = getattr(torch, dtype)
-    consts = ta.kernel_constexprs(dtype, head_size, qpk, page, has_tree, tree_only, max_q)
+    consts = ta.kernel_constexprs(dtype, head_size, qpk, page, has_tree, tree_only, max_q,
+                                  window, sinks)
     sig = {}
     for name in fn.arg_names:
         if name in consts:
@@ -37,6 +39,8 @@ for dtype, head_size, qpk, page, has_tree, tree_only, max_q, cap in json.loads(s
             sig[name] = ptr[dtype]
         elif name == "is_tree_ptr":
             sig[name] = "*u8"
+        elif name == "sinks_ptr":
+            sig[name] = "*fp32"
         elif name.endswith("_ptr"):
             sig[name] = "*i32"
         elif name == "qk_scale":
@@ -53,10 +57,12 @@ print(json.dumps(results))
 """
 
 # (dtype, head_size, queries_per_kv, page_size, has_tree, tree_only,
-#  max_query_len, compute capability)
+#  max_query_len, sliding window, sinks, compute capability)
 VARIANTS = [
-    ("bfloat16", 128, 4, 16, True, False, 257, 90),
-    ("float32", 80, 5, 32, True, True, None, 80),
+    ("bfloat16", 128, 4, 16, True, False, 257, False, False, 90),
+    ("float32", 80, 5, 32, True, True, None, False, False, 80),
+    ("bfloat16", 64, 8, 16, True, False, 257, True, True, 90),
+    ("float16", 128, 4, 16, True, False, 1, True, False, 80),
 ]
 
 

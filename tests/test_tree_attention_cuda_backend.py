@@ -68,8 +68,9 @@ def test_register_backends_on_cuda(monkeypatch):
     assert AttentionBackendEnum[member.get_class().get_name()] is member
 
 
-def _impl(hq, hkv, hd):
-    return dda.DDTreeTritonAttentionImpl(hq, hd, hd**-0.5, hkv, None, None, "auto")
+def _impl(hq, hkv, hd, window=None, sinks=None):
+    return dda.DDTreeTritonAttentionImpl(hq, hd, hd**-0.5, hkv, None, window, "auto",
+                                         sinks=sinks)
 
 
 def _metadata(batch, tree: bool):
@@ -82,7 +83,8 @@ def _metadata(batch, tree: bool):
         causal=True,
         mm_prefix_range_tensor=None,
     )
-    md.ddtree = TreeAttentionInfo.create(batch.tree_mask, batch.is_tree) if tree else None
+    md.ddtree = (TreeAttentionInfo.create(batch.tree_mask, batch.is_tree, depth=batch.depth)
+                 if tree else None)
     return md
 
 
@@ -118,6 +120,31 @@ def test_forward_dispatch(monkeypatch):
     with pytest.raises(NotImplementedError, match="soft-capping"):
         impl.forward(layer, batch.query, key, value, batch.kv_cache,
                      _metadata(batch, True), out)  # fmt: skip
+
+
+def test_forward_with_sliding_window_and_sinks(monkeypatch):
+    # vLLM keeps a decoder layer's window as (window - 1, 0); the tree path
+    # serves it, and the sinks, on the whole batch (causal rows included).
+    monkeypatch.setattr(triton_attn.TritonAttentionImpl, "forward",
+                        lambda *a, **k: pytest.fail("stock forward called"))
+    reqs = [Req(37, 9, _tree(9, 2)), Req(20, 1), Req(29, 6), Req(50, 12, _tree(12, 3))]
+    batch = build_batch(reqs, 8, 2, 32, 16, torch.float32, "nhd", DEVICE, pad_tokens=2)
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(0)).to(DEVICE) * 2
+    impl = _impl(8, 2, 32, window=4, sinks=sinks)
+    assert impl.sliding_window == (3, 0)
+    assert impl.tree_sliding_window() == 4
+    assert impl.tree_unsupported_reason() is None
+    layer = SimpleNamespace(layer_name="layers.0.attn")
+    out = torch.full_like(batch.query, 5.0)
+    md = _metadata(batch, True)
+    impl.forward(layer, batch.query, torch.empty(0), torch.empty(0), batch.kv_cache, md, out)
+    ref = tree_attention_reference(*batch.args(), sliding_window=4, sinks=sinks,
+                                   depth=batch.depth)
+    n = int(batch.query_start_loc[-1])
+    torch.testing.assert_close(out[:n], ref[:n], atol=2e-5, rtol=2e-5)
+    assert torch.all(out[n:] == 5.0)
+    assert not torch.allclose(ref[:n], tree_attention_reference(*batch.args())[:n], atol=1e-2)
+    assert _impl(8, 2, 32).tree_sliding_window() is None  # an unwindowed layer
 
 
 def test_kv_capture_goes_through_the_stock_cache_write(monkeypatch):

@@ -51,6 +51,14 @@ def pack_words(bits: list[int], num_words: int) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int32).view(len(bits), num_words)
 
 
+def node_depths(parents: list[int]) -> list[int]:
+    """Depth of every node (root 0), from the parent pointers."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(depth[p] + 1 if p >= 0 else 0)
+    return depth
+
+
 def root_path(parents: list[int], i: int) -> list[int]:
     path = [i]
     while parents[path[-1]] >= 0:
@@ -81,6 +89,7 @@ class Batch:
     seq_lens: torch.Tensor
     tree_mask: torch.Tensor
     is_tree: torch.Tensor
+    depth: torch.Tensor  # [num_tokens] int32 node depth of tree rows (garbage elsewhere)
     keys: list[torch.Tensor]  # dense per request [seq_len, Hkv, D]
     values: list[torch.Tensor]
     scale: float
@@ -184,6 +193,11 @@ def build_batch(
             assert len(r.parents) == r.q_len
             mask[qsl[i] : qsl[i + 1]] = pack_words(ancestor_sets(r.parents), num_words)
     is_tree = torch.tensor([r.parents is not None for r in reqs], dtype=torch.bool)
+    depth = torch.randint(0, 1000, (num_tokens + pad_tokens,), generator=gen,
+                          dtype=torch.int32)
+    for i, r in enumerate(reqs):
+        if r.parents is not None:
+            depth[qsl[i] : qsl[i + 1]] = torch.tensor(node_depths(r.parents))
 
     return Batch(
         reqs=reqs,
@@ -196,6 +210,7 @@ def build_batch(
         seq_lens=torch.tensor([r.seq_len for r in reqs], dtype=torch.int32).to(device),
         tree_mask=mask.to(device),
         is_tree=is_tree.to(device),
+        depth=depth.to(device),
         keys=keys,
         values=values,
         scale=head_size**-0.5,

@@ -29,6 +29,11 @@ Backends
   ``TRITON_ATTN`` whose forward runs the Triton tree kernel on the whole batch
   when tree info is present and the stock kernel otherwise.
 
+Both tree paths serve sliding-window layers (the window counted in logical
+positions, so a tree node at depth ``d`` measures it from ``ctx_len + d``,
+see ``kernels/reference.py``) and per-head attention sinks, with vLLM's
+semantics for both.
+
 Both impls report each cache write (``do_kv_cache_update``) and each forward
 that applied a tree mask to :data:`~vllm_ddtree.core.compaction.kv_capture`, and
 expose their cache as strided K/V views (``tree_kv_views``), so the round can
@@ -110,18 +115,25 @@ class TreeAttentionImplMixin:
         per target layer at start-up (the engine refuses to start)."""
         if self.attn_type != AttentionType.DECODER:
             return f"attention type {self.attn_type}"
-        window = self.sliding_window
-        if window not in (-1, (-1, -1), None):
-            return "sliding window attention"
         if self.alibi_slopes is not None:
             return "ALiBi"
-        if self.sinks is not None:
-            return "attention sinks"
         if self.logits_soft_cap:
             return "logits soft-capping"
         if self.kv_cache_dtype not in ("auto", "float16", "bfloat16"):
             return f"kv_cache_dtype {self.kv_cache_dtype}"
         return None
+
+    def tree_sliding_window(self) -> int | None:
+        """The layer's window as the number of positions a query sees (itself
+        included), or None. The CPU impl keeps vLLM's int (-1: none); the
+        Triton impl keeps a decoder layer's as ``(window - 1, 0)`` (``(-1,
+        -1)``: none)."""
+        window = self.sliding_window
+        if window in (-1, (-1, -1), None):
+            return None
+        if isinstance(window, tuple):
+            return window[0] + 1
+        return window
 
     def _step_unsupported_reason(self, attn_metadata: Any, output_scale,
                                  output_block_scale) -> str | None:
@@ -227,16 +239,18 @@ class DDTreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             self._set_isa_to_layers(layer_names)
 
 
-def _step_plan(info: TreeAttentionInfo, attn_metadata, block_size: int) -> TreeBatchPlan:
+def _step_plan(info: TreeAttentionInfo, attn_metadata, block_size: int,
+               window: int | None) -> TreeBatchPlan:
     """The step's batched tree plan, built by the first layer and reused by
-    the others (they share the metadata and hence the block table)."""
-    key = (attn_metadata.block_table.data_ptr(), block_size)
+    the others with the same block table and window."""
+    key = (attn_metadata.block_table.data_ptr(), block_size, window)
     plan = info.plans.get(key)
     if plan is None:
         plan = plan_tree_batch(attn_metadata.query_start_loc, attn_metadata.seq_lens,
                                attn_metadata.block_table, block_size, info.mask,
                                info.tree_reqs(), num_q=info.max_tree_query_len,
-                               max_seq_len=attn_metadata.max_seq_len)
+                               max_seq_len=attn_metadata.max_seq_len,
+                               sliding_window=window, depth=info.depth)
         info.plans[key] = plan
     return plan
 
@@ -292,6 +306,8 @@ class DDTreeCPUAttentionImpl(TreeAttentionImplMixin, CPUAttentionBackendImpl):
             )  # fmt: skip
 
         n = attn_metadata.num_actual_tokens
+        window = self.tree_sliding_window()
+        depth = _step_depth(info, window)
         mode = _cpu_tree_mode()
         if mode == "triton":
             key_cache, value_cache = self.tree_kv_views(kv_cache)
@@ -300,14 +316,15 @@ class DDTreeCPUAttentionImpl(TreeAttentionImplMixin, CPUAttentionBackendImpl):
                 query[:n], key_cache, value_cache, attn_metadata.block_table,
                 attn_metadata.query_start_loc, attn_metadata.seq_lens, self.scale,
                 info.mask, info.is_tree, output=output[:n], tree_only=True,
-                max_query_len=attn_metadata.max_query_len,
+                max_query_len=attn_metadata.max_query_len, sliding_window=window,
+                sinks=self.sinks, depth=depth,
             )  # fmt: skip
             return output
         lib = cpu_native.load() if _native_fits(kv_cache, self.head_size) else None
         if lib is None:
             tree_attention_batched(query[:n], kv_cache,
-                                   _step_plan(info, attn_metadata, kv_cache.shape[2]),
-                                   self.scale, output[:n])
+                                   _step_plan(info, attn_metadata, kv_cache.shape[2], window),
+                                   self.scale, output[:n], sinks=self.sinks)
             return output
         tree_reqs = info.plans.get("native_reqs")
         if tree_reqs is None:
@@ -319,11 +336,21 @@ class DDTreeCPUAttentionImpl(TreeAttentionImplMixin, CPUAttentionBackendImpl):
         cpu_native.tree_attention_native(
             lib, query[:n].float(), kv_cache, attn_metadata.block_table,
             attn_metadata.query_start_loc, attn_metadata.seq_lens, tree_reqs, info.mask,
-            self.scale, out32)  # fmt: skip
+            self.scale, out32, sliding_window=window, sinks=self.sinks,
+            depth=depth)  # fmt: skip
         if out32 is not out:
             rows = _tree_rows(info, attn_metadata)
             out.index_copy_(0, rows, out32.index_select(0, rows).to(out.dtype))
         return output
+
+
+def _step_depth(info: TreeAttentionInfo, window: int | None) -> torch.Tensor | None:
+    """The rows' node depths, which a windowed layer needs."""
+    if window is not None and info.depth is None:
+        raise RuntimeError(
+            "ddtree: a sliding-window layer got tree info without node depths; build "
+            "TreeAttentionInfo with depth= (TreeRound.plan does)")
+    return info.depth
 
 
 def _native_fits(kv_cache: torch.Tensor, head_size: int) -> bool:
@@ -410,11 +437,13 @@ if TritonAttentionBackend is not None:
             self._check_tree_step(layer, attn_metadata, output_scale, output_block_scale)
             key_cache, value_cache = self.tree_kv_views(kv_cache)
             n = attn_metadata.num_actual_tokens
+            window = self.tree_sliding_window()
             self._kernel().tree_attention(
                 query[:n], key_cache, value_cache, attn_metadata.block_table,
                 attn_metadata.query_start_loc, attn_metadata.seq_lens, self.scale,
                 info.mask, info.is_tree, output=output[:n],
-                max_query_len=attn_metadata.max_query_len,
+                max_query_len=attn_metadata.max_query_len, sliding_window=window,
+                sinks=self.sinks, depth=_step_depth(info, window),
             )  # fmt: skip
             return output
 

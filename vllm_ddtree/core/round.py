@@ -7,7 +7,9 @@ calls one method per vLLM hook, in this order:
 1. :meth:`TreeRound.plan` (``_prepare_inputs``, after vLLM's own inputs):
    match the scheduled drafts to the proposed trees, rewrite the RoPE
    positions of tree nodes to ``p0 + depth`` (node ``j`` keeps its KV slot
-   ``slot(p0 + j)``) and pack every token's ancestor mask.
+   ``slot(p0 + j)``), pack every token's ancestor mask and note every
+   token's node depth (sliding-window layers measure their window in
+   logical positions).
 2. :meth:`TreeRound.attach` (``_build_attention_metadata``): hang the masks
    on the target layers' attention metadata as ``metadata.ddtree``.
 3. :meth:`TreeRound.capturing` (``_model_forward``): the target forward,
@@ -229,17 +231,20 @@ class TreeRound:
         # Node j of a tree request is at position p0 + depth(j); every other
         # token keeps its position (delta 0).
         anc = tree_ops.ancestor_mask(parents, node_depth)  # [R, 1+B, W]
-        delta = (F.pad(node_depth, (1, 0)) - ar1) * fd[:, None]
+        depth_with_root = F.pad(node_depth, (1, 0))  # [R, 1+B], root 0
+        delta = (depth_with_root - ar1) * fd[:, None]
         ridx, node = req_indices.long(), query_pos.long().clamp(max=budget)
         rnd.seq_positions = positions.clone()
         positions += delta[ridx, node]
         max_len = 1 + max(counts[r] for r in tree_rows)
+        depth = depth_with_root[ridx, node].to(torch.int32)
         if buffers is None:
             rnd.info = TreeAttentionInfo.create(anc[ridx, node], from_drafter, tree_rows,
-                                                max_tree_query_len=max_len)
+                                                max_tree_query_len=max_len, depth=depth)
         else:
             num_tokens = positions.shape[0]
             buffers.mask[:num_tokens].copy_(anc[ridx, node])
+            buffers.depth[:num_tokens].copy_(depth)
             buffers.is_tree[: len(req_ids)].copy_(from_drafter)
             rnd.info = buffers.info(num_tokens, len(req_ids), tree_rows, max_len)
         rnd.query_start = query_start.long()

@@ -37,8 +37,11 @@ class TreeAttentionInfo:
     batch: little-endian packed bits over the request's own query span (bit
     ``j % 32`` of word ``j // 32``: "sees tree node j"); rows of non-tree
     requests are ignored. ``is_tree``: bool ``[num_reqs]`` on the mask's
-    device. ``plans``: per-step data derived once and shared by every layer
-    (e.g. the CPU batched plan), keyed by the backend.
+    device. ``depth``: int32 ``[num_tokens]`` (optional) the tree depth of
+    each row's node (root 0), which places tree node ``j`` at logical
+    position ``ctx_len + depth`` for sliding-window layers; rows of non-tree
+    requests are ignored. ``plans``: per-step data derived once and shared
+    by every layer (e.g. the CPU batched plan), keyed by the backend.
 
     The runner also passes the host-side facts it already has, so that no
     backend has to read them back from the device: ``tree_reqs`` (the indices
@@ -52,6 +55,7 @@ class TreeAttentionInfo:
     is_tree: torch.Tensor
     _tree_reqs: tuple[int, ...] | None = field(default=None, repr=False)
     max_tree_query_len: int | None = None
+    depth: torch.Tensor | None = None
     plans: dict = field(default_factory=dict, repr=False, compare=False)
     # The step's buffers, when the info views them (the replay-safe guard).
     buffers: TreeStepBuffers | None = field(default=None, repr=False, compare=False)
@@ -60,6 +64,7 @@ class TreeAttentionInfo:
     def create(cls, mask: torch.Tensor, is_tree: torch.Tensor,
                tree_reqs: tuple[int, ...] | None = None,
                max_tree_query_len: int | None = None,
+               depth: torch.Tensor | None = None,
                buffers: TreeStepBuffers | None = None) -> TreeAttentionInfo:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.int32:
             raise TypeError(f"TreeAttentionInfo.mask must be an int32 tensor, got "
@@ -79,8 +84,19 @@ class TreeAttentionInfo:
         if tree_reqs is not None and len(tree_reqs) and max(tree_reqs) >= is_tree.shape[0]:
             raise ValueError(f"TreeAttentionInfo.tree_reqs {tree_reqs} out of range for "
                              f"{is_tree.shape[0]} requests")
+        if depth is not None:
+            if not isinstance(depth, torch.Tensor) or depth.dtype != torch.int32:
+                raise TypeError(f"TreeAttentionInfo.depth must be an int32 tensor, got "
+                                f"{getattr(depth, 'dtype', type(depth))}")
+            if depth.shape != mask.shape[:1]:
+                raise ValueError(f"TreeAttentionInfo.depth must be 1-D [num_tokens="
+                                 f"{mask.shape[0]}] like the mask's rows, got shape "
+                                 f"{tuple(depth.shape)}")
+            if depth.device != mask.device:
+                raise ValueError(f"TreeAttentionInfo.depth is on {depth.device} but mask is "
+                                 f"on {mask.device}")
         return cls(mask=mask, is_tree=is_tree, _tree_reqs=tree_reqs,
-                   max_tree_query_len=max_tree_query_len, buffers=buffers)
+                   max_tree_query_len=max_tree_query_len, depth=depth, buffers=buffers)
 
     def mark_seen(self, layer_name: str) -> None:
         """Called by a tree-capable layer that applied this info: record the
@@ -107,7 +123,8 @@ def get_tree_info(attn_metadata: Any) -> TreeAttentionInfo | None:
 class TreeStepBuffers:
     """The device tensors a verification step's tree lives in, allocated once.
 
-    ``mask`` int32 ``[max_tokens, W]`` and ``is_tree`` bool ``[max_reqs]`` are
+    ``mask`` int32 ``[max_tokens, W]``, ``depth`` int32 ``[max_tokens]`` (each
+    node's depth, for sliding windows) and ``is_tree`` bool ``[max_reqs]`` are
     what the attention kernels read (filled by ``TreeRound.plan``; rows and
     requests past the step's own are causal padding); ``parent`` int64
     ``[max_tokens]`` is every token row's local tree parent (-1: a root), for
@@ -126,6 +143,7 @@ class TreeStepBuffers:
         self.budget = budget
         self.mask = torch.zeros(max_tokens, mask_words(budget), dtype=torch.int32,
                                 device=device)
+        self.depth = torch.zeros(max_tokens, dtype=torch.int32, device=device)
         self.is_tree = torch.zeros(max_reqs, dtype=torch.bool, device=device)
         self.parent = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
         self.layer_names = tuple(sorted(layers))
@@ -167,4 +185,5 @@ class TreeStepBuffers:
              max_tree_query_len: int | None) -> TreeAttentionInfo:
         """The step's :class:`TreeAttentionInfo` over views of the buffers."""
         return TreeAttentionInfo.create(self.mask[:num_tokens], self.is_tree[:num_reqs],
-                                        tree_reqs, max_tree_query_len, buffers=self)
+                                        tree_reqs, max_tree_query_len,
+                                        depth=self.depth[:num_tokens], buffers=self)

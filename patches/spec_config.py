@@ -144,12 +144,6 @@ def check_engine_args(args: Any, model_config: Any, parallel_config: Any,
                       f"{parallel_config.pipeline_parallel_size}): only the last stage walks "
                       f"the tree, so earlier stages would keep rejected nodes' KV",
                       f"Serve with --pipeline-parallel-size 1. {dflash}")
-    if parallel_config.tensor_parallel_size > 1:
-        raise _refuse("tensor_parallel_size",
-                      f"DDTree does not support tensor parallelism yet (got "
-                      f"{parallel_config.tensor_parallel_size}): every rank would walk and "
-                      f"compact on its own, with nothing proving the ranks agree",
-                      f"Serve with --tensor-parallel-size 1. {dflash}")
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(parallel_config, name) > 1:
             raise _refuse(name, "DDTree does not support context parallelism",

@@ -8,6 +8,13 @@ turns stats on even under ``--disable-log-stats``, and the offline ``LLM``
 (which both engines build only when stats are on) adds
 :class:`vllm_ddtree.metrics.DDTreeStatLogger` exactly when the engine's config
 carries ``speculative_config.ddtree``.
+
+With several API-server processes (``vllm serve --data-parallel-size N``
+starts N by default, or ``--api-server-count``), every process builds its own
+manager over all engines, and Prometheus sums counters across processes; the
+ddtree counters are read from each engine's shared file, so only the first
+API server exports them (it refreshes every engine's numbers whenever it
+records), and they are counted once.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ def _build(original):
         from vllm_ddtree.core.config import ddtree_runtime
 
         runtime = ddtree_runtime(vllm_config)
-        if runtime is not None and runtime.stats_dir:
+        first_api_server = getattr(vllm_config.parallel_config, "_api_process_rank", 0) <= 0
+        if runtime is not None and runtime.stats_dir and first_api_server:
             from vllm_ddtree.metrics import DDTreeStatLogger
 
             self.stat_loggers.append(DDTreeStatLogger(vllm_config, self.engine_indexes))

@@ -100,7 +100,6 @@ def _variant(tmp_path, target, **changes):
 
 @pytest.mark.parametrize("kw,field", [
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
 ])
 def test_refused_engine_settings(tiny_pair, kw, field):

@@ -142,6 +142,13 @@ class DDTreeStatLogger(AggregateStatLoggerBase):
             "component", COST_GAUGES)
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+        # Every engine's file, whichever engine's output arrived: with several
+        # API servers only the first exports ddtree metrics (see
+        # patches/stat_loggers.py), and it may see one engine's outputs only.
+        for i in self.engine_indexes:
+            self._refresh(i)
+
+    def _refresh(self, engine_idx: int) -> None:
         reader = self.readers.get(engine_idx)
         snap = reader.read() if reader is not None else None
         if snap is None:

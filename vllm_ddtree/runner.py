@@ -56,6 +56,7 @@ from vllm_ddtree.core.config import ddtree_runtime
 from vllm_ddtree.gdn import GDNTreeStep, tree_step
 from vllm_ddtree.core.node_history import (chain_parents, keep_nodes, node_depths,
                                       row_index)
+from vllm_ddtree.parallel import TPAgreement
 from vllm_ddtree.node_sampling import (NodeRows, logprobs_of_outputs, min_p_per_request,
                                        needs_processing, process_nodes)
 from vllm_ddtree.proposer import DDTreeProposer
@@ -120,6 +121,9 @@ class DDTreeRunnerMixin:
         self.ddtree_valid: dict[str, int] | None = None
         self.ddtree_guarded = False  # this step's tree path is checked after sampling
         self.ddtree_expected: frozenset[str] = frozenset()  # ... in these layers
+        # Tensor parallelism: rank 0's policy decisions, and the check that
+        # every rank walked the same paths (vllm_ddtree/parallel.py).
+        self.ddtree_tp = TPAgreement.for_runner(self.device)
         # Each request's tree of the last drafts on the host (parents of its
         # drafts), and this step's scheduled drafts: the node histories.
         self.ddtree_host_parents: dict[str, list[int]] = {}
@@ -274,6 +278,8 @@ class DDTreeRunnerMixin:
 
     def sample_tokens(self, *args, **kwargs):
         out = super().sample_tokens(*args, **kwargs)
+        if self.ddtree is not None and self.ddtree_tp is not None:
+            self.ddtree_tp.verify()
         if self.ddtree is not None and self.ddtree_guarded:
             self.ddtree_guarded = False
             unseen = self.ddtree_buffers.unseen_layers(self.ddtree_expected)
@@ -355,6 +361,8 @@ class DDTreeRunnerMixin:
         min_p = min_p_per_request(sampling, num_reqs)
         tokens = rnd.verify(processed, md.draft_token_ids, md.num_draft_tokens, sampling,
                             min_p)
+        if self.ddtree_tp is not None:
+            self.ddtree_tp.check_walk(tokens, rnd.num_accepted)
         rnd.compact(self.input_batch.block_table[self.ddtree_kv_group].slot_mapping.gpu)
         step, self.ddtree_gdn_step = self.ddtree_gdn_step, None
         if step is not None:
@@ -427,6 +435,8 @@ class DDTreeRunnerMixin:
         policy = self.ddtree_policy if self.ddtree is not None else None
         num_reqs = self.input_batch.num_reqs
         drafting = policy is None or policy.should_draft(num_reqs)
+        if policy is not None and self.ddtree_tp is not None:
+            drafting = self.ddtree_tp.mode(drafting)
         if not drafting and spec_decode_metadata is None and aux_hidden_states:
             # A plain step in plain mode: every scheduled token is context.
             return self._ddtree_plain_step(scheduler_output, aux_hidden_states, num_reqs)
@@ -451,6 +461,8 @@ class DDTreeRunnerMixin:
                     prefilling = self.discard_request_mask.gpu[:num_reqs]
                     valid = tree.valid & ~prefilling.bool()[:, None]
                     self.ddtree_budgets = policy.choose(tree.logq, valid).budgets
+                    if self.ddtree_tp is not None:
+                        self.ddtree_budgets = self.ddtree_tp.budgets(self.ddtree_budgets)
             elif policy is not None:
                 self.ddtree_budgets = torch.zeros(num_reqs, dtype=torch.long)
             if self.ddtree_step is not None:
@@ -644,12 +656,19 @@ class DDTreeRunnerMixin:
         stats_dir = self.ddtree.stats_dir
         if not stats_dir:
             return None
+        from vllm.distributed import get_tp_group
+
+        if get_tp_group().rank_in_group != 0:  # counted once per engine
+            return None
         if not os.path.isdir(stats_dir):
             logger.warning("DDTree: stats directory %s is not on this machine; the ddtree "
                            "metrics stay empty", stats_dir)
             return None
-        return CounterWriter(stats_file(stats_dir,
-                                        self.vllm_config.parallel_config.data_parallel_rank))
+        # The engine's data-parallel index (vLLM resets data_parallel_rank to 0
+        # in each engine of a dense model; the index keeps the engine's place).
+        parallel = self.vllm_config.parallel_config
+        index = getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
+        return CounterWriter(stats_file(stats_dir, index))
 
     def _ddtree_flush_stats(self) -> None:
         """Add the last walked step to the counters (its host copy is taken

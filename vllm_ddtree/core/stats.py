@@ -7,11 +7,11 @@ one to the other (``SchedulerStats`` is decoded field by field, so extra data
 is dropped). DDTree's counters therefore live in a small memory-mapped file
 per engine:
 
-* the front end makes a fresh directory per engine configuration
-  (:func:`new_stats_dir`) and passes its path in ``speculative_config.ddtree``;
+* the front end makes a directory per deployment (:func:`new_stats_dir`)
+  and passes its path in ``speculative_config.ddtree``;
 * the runner (tensor-parallel rank 0, last pipeline stage) creates
-  ``engine-<dp rank>.bin`` there and adds one step's numbers at a time
-  (:class:`CounterWriter`);
+  ``engine-<data-parallel index>.bin`` there and adds one step's numbers at
+  a time (:class:`CounterWriter`);
 * the front end's stat logger maps the same file read-only and turns the
   cumulative values into Prometheus counters (:class:`CounterReader`).
 
@@ -131,13 +131,30 @@ class Snapshot:
         return self.nodes / self.drafts if self.drafts else None
 
 
-def new_stats_dir() -> str:
-    """A fresh directory for one engine configuration's counter files.
+ENV_STATS_DIR = "VLLM_DDTREE_STATS_DIR"
+_ENV_STATS_OWNER = "VLLM_DDTREE_STATS_OWNER"
 
-    It is removed when the creating (front-end) process exits.
+
+def new_stats_dir() -> str:
+    """The directory for one deployment's counter files.
+
+    The process that builds the first engine configuration makes a fresh one
+    (removed when it exits) and records it in its environment, which the
+    processes it starts inherit. A front-end process of the same deployment
+    that builds the configuration again (the API servers of ``vllm serve
+    --data-parallel-size N`` or ``--api-server-count N``) reads the counters
+    of the engines its parent started, so it gets the inherited directory.
+    The creating process itself gets a fresh directory for every further
+    configuration (one offline engine after another).
     """
+    inherited = os.environ.get(ENV_STATS_DIR)
+    if (inherited and os.path.isdir(inherited)
+            and os.environ.get(_ENV_STATS_OWNER) != str(os.getpid())):
+        return inherited
     path = tempfile.mkdtemp(prefix="vllm-ddtree-stats-")
     atexit.register(shutil.rmtree, path, ignore_errors=True)
+    os.environ[ENV_STATS_DIR] = path
+    os.environ[_ENV_STATS_OWNER] = str(os.getpid())
     return path
 
 

@@ -1,0 +1,243 @@
+"""Choosing the verification budget by what it delivers.
+
+The adaptive policy of ``budget.py`` predicts tokens per second from a model:
+calibrated node values over a cost curve of query tokens. Where a step is
+bound by reading weights that model is right; where it is bound by per-step
+overhead (small models, large batches) a tree step costs more than the
+curve says, and the model's choice loses to a small fixed tree, to the chain
+or to plain decoding. :class:`RateTuner` therefore does not trust any model:
+it runs the candidate *arms* and keeps the one that delivers the most
+committed tokens per second, measured.
+
+Arms
+    ``plain`` (no drafting at all), ``fixed b`` for a ladder of budgets
+    ``b`` (every request verifies its ``b`` best nodes: 2, 4, 8, ... up to
+    the configured budget ``B``), and ``model`` (the model-based per-request
+    choice of ``budget.AdaptivePolicy``, at most ``B`` nodes per request).
+
+Measurement
+    A *trial* runs one arm at one batch size (requests decoding) for at least
+    ``min_steps`` counted steps and ``trial_seconds`` of engine time, so that
+    every trial weighs the same in time whatever its steps cost; the runner
+    reports every step's committed tokens and its seconds (runner time plus
+    the engine's own time between steps, idle gaps excluded). The first step
+    of a trial is not counted (it still verifies what the previous arm
+    chose), nor are steps that prefill; a batch size that leaves the trial's
+    bucket ends the trial unmeasured. A trial's rate is tokens / seconds.
+
+Choice, per batch-size bucket (powers of two: 1, 2-3, 4-7, ...)
+    Each arm keeps a decayed mean of its trials' rates and a discounted
+    count of its trials (every trial multiplies all counts by ``discount``).
+    A new bucket first tries the arms once each, middle of the budget ladder
+    outwards (an arm whose ladder neighbours both measured more than
+    ``prune`` below the best is skipped). Then every trial runs the arm with
+    the highest upper confidence bound on its rate relative to the best,
+    ``rate / best + explore * sqrt(ln N / n)``: the best runs almost always,
+    an arm close to it is re-measured now and then, one far below it rarely,
+    and because the counts are discounted, an arm not measured for a long
+    time is measured again, so a load that shifts or a machine that gets
+    busy is noticed. Only measured rates decide.
+
+The tuner holds no tensors and imports nothing from vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+__all__ = ["Arm", "RateTuner", "bucket_of", "budget_ladder"]
+
+
+@dataclass(frozen=True)
+class Arm:
+    """``kind``: "plain", "fixed" (``budget`` nodes per request) or "model"."""
+
+    kind: str
+    budget: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"fixed{self.budget}" if self.kind == "fixed" else self.kind
+
+    @property
+    def drafts(self) -> bool:
+        return self.kind != "plain"
+
+
+def budget_ladder(budget: int) -> list[int]:
+    """2, 4, 8, ... below ``budget``, then ``budget`` itself."""
+    out, b = [], 2
+    while b < budget:
+        out.append(b)
+        b *= 2
+    out.append(budget)
+    return out
+
+
+def bucket_of(num_reqs: int) -> int:
+    """The batch-size bucket: floor(log2(R)), so 1 | 2-3 | 4-7 | ..."""
+    return max(int(num_reqs), 1).bit_length() - 1
+
+
+@dataclass
+class _ArmStats:
+    rate: float | None = None  # decayed mean of trial rates, tokens/s
+    trials: int = 0
+    weight: float = 0.0  # discounted number of trials
+
+
+@dataclass
+class _Bucket:
+    stats: dict[str, _ArmStats] = field(default_factory=dict)
+    trials: int = 0
+    order: list[str] = field(default_factory=list)  # cold-start order
+
+
+@dataclass
+class _Trial:
+    arm: Arm
+    bucket: int
+    steps: int = 0  # reported steps so far (the first is not counted)
+    counted: int = 0
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+
+class RateTuner:
+    """Picks, per step, the arm to run (see the module docstring)."""
+
+    def __init__(self, budget: int, trial_seconds: float = 0.25, min_steps: int = 4,
+                 explore: float = 0.08, discount: float = 0.985, decay: float = 0.5,
+                 prune: float = 0.25, with_model: bool = True) -> None:
+        if budget < 1:
+            raise ValueError(f"RateTuner: budget must be >= 1, got {budget}")
+        if trial_seconds <= 0 or min_steps < 1:
+            raise ValueError("RateTuner: trial_seconds must be > 0 and min_steps >= 1")
+        self.budget = budget
+        self.trial_seconds = trial_seconds
+        self.min_steps = min_steps
+        self.explore = explore
+        self.discount = discount
+        self.decay = decay
+        self.prune = prune
+        self.arms = ([Arm("plain")] + [Arm("fixed", b) for b in budget_ladder(budget)]
+                     + ([Arm("model", budget)] if with_model else []))
+        self._by_name = {a.name: a for a in self.arms}
+        self._buckets: dict[int, _Bucket] = {}
+        self._trial: _Trial | None = None
+        self.history: list[tuple[int, str, float]] = []  # (bucket, arm, rate) per trial
+
+    # ------------------------------------------------------------ decisions
+    def arm(self, num_reqs: int) -> Arm:
+        """The arm for this step's drafting decision."""
+        b = bucket_of(num_reqs)
+        trial = self._trial
+        if trial is not None and trial.bucket == b:
+            return trial.arm
+        arm = self._next_arm(b)
+        self._trial = _Trial(arm, b)
+        return arm
+
+    def observe(self, num_reqs: int, tokens: float, seconds: float, counted: bool = True) -> None:
+        """One step of the current trial: its committed tokens and seconds.
+        ``counted`` False (a prefill in the step, or nothing decoding) leaves
+        the trial's numbers alone."""
+        trial = self._trial
+        if trial is None:
+            return
+        if bucket_of(num_reqs) != trial.bucket:
+            self._trial = None  # the load moved: a new trial in the new bucket
+            return
+        trial.steps += 1
+        if trial.steps == 1 or not counted or seconds <= 0:
+            return
+        trial.counted += 1
+        trial.tokens += tokens
+        trial.seconds += seconds
+        if trial.counted >= self.min_steps and trial.seconds >= self.trial_seconds:
+            self._close(trial)
+            self._trial = None
+
+    def best(self, num_reqs: int) -> Arm | None:
+        """The arm with the best measured rate in this batch size's bucket."""
+        bucket = self._buckets.get(bucket_of(num_reqs))
+        if bucket is None:
+            return None
+        name = self._best_name(bucket)
+        return self._by_name[name] if name else None
+
+    def rates(self, num_reqs: int) -> dict[str, float]:
+        """Measured rates (tokens/s) of the arms in this bucket."""
+        bucket = self._buckets.get(bucket_of(num_reqs))
+        if bucket is None:
+            return {}
+        return {n: s.rate for n, s in bucket.stats.items() if s.rate is not None}
+
+    # ------------------------------------------------------------ internals
+    def _close(self, trial: _Trial) -> None:
+        rate = trial.tokens / trial.seconds
+        bucket = self._buckets[trial.bucket]
+        for st in bucket.stats.values():
+            st.weight *= self.discount
+        st = bucket.stats.setdefault(trial.arm.name, _ArmStats())
+        st.rate = rate if st.rate is None else (1 - self.decay) * st.rate + self.decay * rate
+        st.trials += 1
+        st.weight += 1.0
+        bucket.trials += 1
+        self.history.append((trial.bucket, trial.arm.name, rate))
+
+    def _best_name(self, bucket: _Bucket) -> str | None:
+        measured = [(s.rate, n) for n, s in bucket.stats.items() if s.rate is not None]
+        return max(measured)[1] if measured else None
+
+    def _next_arm(self, b: int) -> Arm:
+        bucket = self._buckets.get(b)
+        if bucket is None:
+            bucket = self._buckets[b] = _Bucket(order=self._cold_order())
+        best = self._best_name(bucket)
+        best_rate = bucket.stats[best].rate if best else None
+        # cold start: every arm once, unless the measured best already beats
+        # the arm's neighbours on the ladder by more than `prune`
+        for name in bucket.order:
+            st = bucket.stats.get(name)
+            if st is not None and st.trials:
+                continue
+            if best_rate is not None and self._dominated(bucket, name, best_rate):
+                continue
+            return self._by_name[name]
+        measured = {n: s for n, s in bucket.stats.items() if s.rate is not None}
+        total = sum(s.weight for s in measured.values())
+
+        def score(name: str) -> float:
+            st = measured[name]
+            bonus = self.explore * math.sqrt(math.log(1.0 + total) / max(st.weight, 1e-6))
+            return st.rate / best_rate + bonus
+
+        return self._by_name[max(measured, key=score)]
+
+    def _cold_order(self) -> list[str]:
+        """Middle of the budget ladder first, then outwards; plain and model last."""
+        ladder = [a.name for a in self.arms if a.kind == "fixed"]
+        mid = len(ladder) // 2
+        order = [ladder[mid]]
+        for d in range(1, len(ladder)):
+            for i in (mid - d, mid + d):
+                if 0 <= i < len(ladder):
+                    order.append(ladder[i])
+        return order + [a.name for a in self.arms if a.name not in order]
+
+    def _ladder_neighbours(self, name: str) -> list[str]:
+        ladder = [a.name for a in self.arms if a.kind != "model"]  # plain, fixed ...
+        if name not in ladder:
+            return []
+        i = ladder.index(name)
+        return [ladder[j] for j in (i - 1, i + 1) if 0 <= j < len(ladder)]
+
+    def _dominated(self, bucket: _Bucket, name: str, best_rate: float) -> bool:
+        """Both ladder neighbours measured and far below the best: skip."""
+        nbrs = self._ladder_neighbours(name)
+        rates = [bucket.stats[n].rate for n in nbrs
+                 if n in bucket.stats and bucket.stats[n].rate is not None]
+        return (len(rates) == len(nbrs) and len(rates) > 0
+                and max(rates) < (1 - self.prune) * best_rate)

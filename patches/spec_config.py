@@ -141,9 +141,12 @@ def check_engine_args(args: Any, model_config: Any, parallel_config: Any,
     if parallel_config.pipeline_parallel_size > 1:
         raise _refuse("pipeline_parallel_size",
                       f"DDTree does not support pipeline parallelism (got "
-                      f"{parallel_config.pipeline_parallel_size}): only the last stage walks "
-                      f"the tree, so earlier stages would keep rejected nodes' KV",
-                      f"Serve with --pipeline-parallel-size 1. {dflash}")
+                      f"{parallel_config.pipeline_parallel_size}): only the last stage has the "
+                      f"logits and walks the tree, while every stage holds KV (and GDN "
+                      f"states) of its own layers that the accepted path must compact, and "
+                      f"vLLM sends earlier stages no per-step data after the forward",
+                      f"Serve with --pipeline-parallel-size 1 and split the model with "
+                      f"--tensor-parallel-size instead. {dflash}")
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(parallel_config, name) > 1:
             raise _refuse(name, "DDTree does not support context parallelism",

@@ -174,3 +174,29 @@ def test_dp2_server_serves_with_metrics_per_engine(tiny_pair, plain, tmp_path, m
         assert values[("ddtree_num_drafts", e)] == values[("spec_decode_num_drafts", e)]
         assert (values[("ddtree_num_accepted_tokens", e)]
                 == values[("spec_decode_num_accepted_tokens", e)])
+
+
+def test_tp2_hybrid_equals_plain_except_near_ties(tiny_hybrid, tmp_path):
+    """The tiny hybrid with its Gated DeltaNet heads made splittable (2 key /
+    4 value heads, the same function: ``benchmarks/tiny_pair/tp_hybrid.py``),
+    DDTree at TP = 2 against plain decoding at TP = 1 (bf16): each prompt's
+    first divergence, if any, is a near-tie under an fp32 rescoring."""
+    from benchmarks.tiny_pair.tp_hybrid import tp_hybrid_target
+    from tests.near_ties import describe, first_divergences
+    from tests.test_e2e_hybrid import LLM, NEAR_TIE
+
+    target = tp_hybrid_target(tmp_path / "models")
+    drafter = f"{target}-dflash"
+    greedy = dict(GREEDY, max_tokens=48)
+    plain = run_job({"model": str(target), "prompts": "humaneval:8", "sampling": greedy,
+                     "llm": LLM}, tmp_path)
+    prompts = plain["prompt_ids"]
+    tree = run_job(dict(_tp_job(str(target), drafter, prompts, greedy,
+                                spec={"num_speculative_tokens": 16, "ddtree_adaptive": False}),
+                        llm=dict(LLM, **TP2)), tmp_path, timeout=1200)
+    assert tree["spec"]["drafts"] > 0 and tree["spec"]["tau"] > 1.5, tree["spec"]
+    divs = first_divergences(load_target(tiny_hybrid[0]), prompts, plain["outputs"],
+                             tree["outputs"])
+    print(f"\nhybrid TP=2: {8 - len(divs)}/8 identical; first divergences: {describe(divs)}")
+    assert len(divs) <= 4, describe(divs)
+    assert all(d.near_tie(NEAR_TIE) for d in divs), describe(divs)

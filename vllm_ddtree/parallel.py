@@ -62,7 +62,7 @@ class TPAgreement:
     @classmethod
     def for_runner(cls, device) -> TPAgreement | None:
         """The tensor-parallel group's agreement, or None on one rank."""
-        from vllm.distributed import get_tp_group
+        from vllm.distributed.parallel_state import get_tp_group
 
         group = get_tp_group()
         return cls(group, device) if group.world_size > 1 else None

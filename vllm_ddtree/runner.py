@@ -656,7 +656,7 @@ class DDTreeRunnerMixin:
         stats_dir = self.ddtree.stats_dir
         if not stats_dir:
             return None
-        from vllm.distributed import get_tp_group
+        from vllm.distributed.parallel_state import get_tp_group
 
         if get_tp_group().rank_in_group != 0:  # counted once per engine
             return None

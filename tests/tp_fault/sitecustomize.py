@@ -20,7 +20,7 @@ if os.environ.get("DDTREE_TEST_FAULT") == "desync_rank1":
     _real = _tree.sample_posterior
 
     def _desynced(*args, **kwargs):
-        from vllm.distributed import get_tp_group
+        from vllm.distributed.parallel_state import get_tp_group
 
         if get_tp_group().rank_in_group == 1:
             torch.rand(1)

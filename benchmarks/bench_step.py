@@ -31,7 +31,16 @@ stage                   what it covers
 ======================  =====================================================
 
 Only steps in which every one of the ``c`` requests of a round is verifying
-drafts (no prefill, none finished yet) count. Per (arm, concurrency) the
+drafts (no prefill, none finished yet) count.
+
+``--plain-mode`` compares instead a plain engine (no speculation) with a
+DDTree engine held in plain mode (a pinned cost model under which trees never
+pay, so the adaptive budget verifies nothing: ``VLLM_DDTREE_COST_MODEL=1,1,5``),
+counting the steps in which every request decodes one token without drafts
+(the plain-mode engine's probe steps are left out). A plain-mode step must
+cost what a plain step costs::
+
+    python -m benchmarks.bench_step --plain-mode --concurrency 1 4 16 --rounds 3 Per (arm, concurrency) the
 script reports the median over rounds of each round's median per stage, the
 tree/chain ratio of the step time, and tokens/s and acceptance length of the
 same runs. Results: ``benchmarks/results/step_<tag>.json`` and a Markdown
@@ -94,7 +103,7 @@ class StepTimer:
         setattr(owner, name, self.timed(getattr(owner, name), stage))
 
 
-def _instrument(llm, timer: StepTimer, ddtree: bool, c_ref: list[int]):
+def _instrument(llm, timer: StepTimer, ddtree: bool, c_ref: list[int], plain_steps: bool):
     import vllm_ddtree.proposer as proposer_mod
     import vllm_ddtree.core.tree as tree_mod
     from vllm.model_executor.layers.attention import Attention
@@ -109,9 +118,10 @@ def _instrument(llm, timer: StepTimer, ddtree: bool, c_ref: list[int]):
         so = scheduler_output
         spec = so.scheduled_spec_decode_tokens
         n = so.num_scheduled_tokens
-        verifying = (not so.scheduled_new_reqs and len(n) == c_ref[0] and len(spec) == len(n)
-                     and all(n[r] == 1 + len(spec[r]) for r in n))
-        timer.keep = verifying
+        decoding = (not so.scheduled_new_reqs and len(n) == c_ref[0]
+                    and all(n[r] == 1 + len(spec.get(r, ())) for r in n))
+        # drafts verified by every request, or (plain mode) by none
+        timer.keep = decoding and len(spec) == (0 if plain_steps else len(n))
         timer.cur = {"_t0": time.perf_counter()}
         return execute(scheduler_output, *args, **kwargs)
 
@@ -171,6 +181,7 @@ def worker(arm: dict, conn) -> None:
     """Build one engine, then serve ``("run", prompts, c, max_tokens)``
     requests on ``conn`` until ``("stop",)``."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.update(arm.get("env") or {})
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.pop("TRITON_INTERPRET", None)
@@ -182,7 +193,8 @@ def worker(arm: dict, conn) -> None:
                   max_num_seqs=max(arm["max_c"], 1), disable_log_stats=False)
         timer = StepTimer()
         c_ref = [0]
-        _instrument(llm, timer, arm["spec"]["method"] == "ddtree", c_ref)
+        ddtree = arm["spec"] is not None and arm["spec"]["method"] == "ddtree"
+        _instrument(llm, timer, ddtree, c_ref, arm.get("plain_steps", False))
         conn.send(("ready",))
     except Exception as e:  # report, then exit
         conn.send(("error", repr(e)))
@@ -243,6 +255,23 @@ def summarize(runs: list[dict]) -> dict:
     taus = [r["tau"] for r in runs if r["tau"] is not None]
     out["tau"] = statistics.median(taus) if taus else None
     return out
+
+
+def markdown_plain(results: dict, concurrencies) -> str:
+    lines = []
+    for c in concurrencies:
+        plain, mode = results["plain"][c], results["ddtree_plain_mode"][c]
+        lines.append(f"\n**c = {c}** (plain engine vs DDTree engine in plain mode; medians, "
+                     f"ms per step; {plain['steps']} / {mode['steps']} steps)\n")
+        lines.append("| stage | plain | DDTree plain mode | difference |")
+        lines.append("| --- | ---: | ---: | ---: |")
+        for s in ("step", "prepare", "metadata", "forward", "verify", "draft"):
+            a, b = plain.get(s, 0.0), mode.get(s, 0.0)
+            lines.append(f"| {s} | {a:.3f} | {b:.3f} | {b - a:+.3f} |")
+        lines.append(f"| **step ratio** | | **{mode['step'] / plain['step']:.3f}x** | |")
+        lines.append(f"| tokens/s | {plain['tok_s']:.0f} | {mode['tok_s']:.0f} | "
+                     f"{mode['tok_s'] / plain['tok_s']:.2f}x |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown(results: dict, concurrencies, k: int) -> str:
@@ -313,6 +342,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--c1-requests", type=int, default=4,
                    help="sequential requests per round at concurrency 1 (default 4)")
+    p.add_argument("--plain-mode", action="store_true",
+                   help="plain engine vs DDTree in plain mode (see the module docstring)")
     p.add_argument("--tag", default="latest")
     p.add_argument("--markdown", help="also write the Markdown table to this file")
     p.add_argument("--plot", nargs="+", metavar="JSON",
@@ -329,16 +360,23 @@ def main(argv=None) -> int:
 
     pool = humaneval_prompts(164)
     max_c = max(args.concurrency)
-    arms = {
-        "chain": {"method": "dflash", "model": args.drafter, "num_speculative_tokens": args.k},
-        "ddtree": {"method": "ddtree", "model": args.drafter, "num_speculative_tokens": args.k,
-                   "ddtree_adaptive": False},
-    }
+    if args.plain_mode:
+        arms = {"plain": {"spec": None},
+                "ddtree_plain_mode": {"spec": {"method": "ddtree", "model": args.drafter,
+                                               "num_speculative_tokens": args.k},
+                                      "env": {"VLLM_DDTREE_COST_MODEL": "1,1,5"}}}
+    else:
+        arms = {
+            "chain": {"spec": {"method": "dflash", "model": args.drafter,
+                               "num_speculative_tokens": args.k}},
+            "ddtree": {"spec": {"method": "ddtree", "model": args.drafter,
+                                "num_speculative_tokens": args.k, "ddtree_adaptive": False}},
+        }
     ctx = mp.get_context("spawn")
     procs, conns = {}, {}
-    for name, spec in arms.items():
+    for name, extra in arms.items():
         parent, child = ctx.Pipe()
-        arm = {"target": args.target, "spec": spec, "max_c": max_c}
+        arm = dict(extra, target=args.target, max_c=max_c, plain_steps=args.plain_mode)
         procs[name] = ctx.Process(target=worker, args=(arm, child), name=f"bench-{name}")
         procs[name].start()
         conns[name] = parent
@@ -367,7 +405,8 @@ def main(argv=None) -> int:
                     print(f"round {r + 1}/{args.rounds} c={c} {name}: {len(run['steps'])} "
                           f"steps, {run['tokens'] / run['seconds']:.0f} tok/s",
                           file=sys.stderr, flush=True)
-                if outs["chain"] != outs["ddtree"]:
+                first, second = outs.values()
+                if first != second:
                     raise RuntimeError(f"greedy outputs differ between the arms at c={c}: "
                                        f"the benchmark would compare different work")
     finally:
@@ -383,7 +422,8 @@ def main(argv=None) -> int:
 
     results = {name: {c: summarize(runs) for c, runs in by_c.items()}
                for name, by_c in raw.items()}
-    table = markdown(results, args.concurrency, args.k)
+    table = (markdown_plain(results, args.concurrency) if args.plain_mode
+             else markdown(results, args.concurrency, args.k))
     print(table)
     outdir = ROOT / "benchmarks" / "results"
     outdir.mkdir(parents=True, exist_ok=True)

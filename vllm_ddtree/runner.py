@@ -66,6 +66,7 @@ from vllm_ddtree.core.stats import CounterWriter, stats_file
 from vllm_ddtree.structured import DDTreeDraftTokenIds
 from vllm_ddtree.core.tree import process_logits
 from vllm_ddtree.core.tree_info import TreeStepBuffers
+from vllm_ddtree.core.tuner import Arm, RateTuner
 
 logger = init_logger("vllm.ddtree")
 
@@ -100,6 +101,11 @@ class DDTreeRunnerMixin:
         # The adaptive budget (vllm_ddtree/core/budget.py): created with its cost
         # profile after warm-up, or at the first step.
         self.ddtree_policy: AdaptivePolicy | None = None
+        # ... and the arm the adaptive budget runs, chosen by the tokens per
+        # second each arm delivers (core/tuner.py; None with a pinned cost
+        # model, under which the model decides alone)
+        self.ddtree_tuner: RateTuner | None = None
+        self.ddtree_best: dict[int, str] = {}  # bucket -> best arm last logged
         self.ddtree_budgets: torch.Tensor | None = None  # [R] of the last drafts
         self.ddtree_step: dict | None = None  # the step being timed
         self.ddtree_gap_s = 0.0  # engine time between two runner steps (EWMA)
@@ -278,6 +284,10 @@ class DDTreeRunnerMixin:
 
     def sample_tokens(self, *args, **kwargs):
         out = super().sample_tokens(*args, **kwargs)
+        if self.ddtree is not None and self.ddtree_step is not None:
+            sampled = getattr(out, "sampled_token_ids", None)
+            if sampled is not None:  # the tokens this step committed
+                self.ddtree_step["emitted"] = sum(len(t) for t in sampled)
         if self.ddtree is not None and self.ddtree_tp is not None:
             self.ddtree_tp.verify()
         if self.ddtree is not None and self.ddtree_guarded:
@@ -434,7 +444,12 @@ class DDTreeRunnerMixin:
                 self.mrope_positions.gpu[:, : delta.shape[0]] -= delta
         policy = self.ddtree_policy if self.ddtree is not None else None
         num_reqs = self.input_batch.num_reqs
-        drafting = policy is None or policy.should_draft(num_reqs)
+        arm = (self.ddtree_tuner.arm(num_reqs)
+               if policy is not None and self.ddtree_tuner is not None else None)
+        if arm is not None and arm.kind != "model":
+            drafting = arm.drafts
+        else:
+            drafting = policy is None or policy.should_draft(num_reqs)
         if policy is not None and self.ddtree_tp is not None:
             drafting = self.ddtree_tp.mode(drafting)
         if not drafting and spec_decode_metadata is None and aux_hidden_states:
@@ -460,7 +475,10 @@ class DDTreeRunnerMixin:
                     # Requests still prefilling get no nodes (their drafts are dropped).
                     prefilling = self.discard_request_mask.gpu[:num_reqs]
                     valid = tree.valid & ~prefilling.bool()[:, None]
-                    self.ddtree_budgets = policy.choose(tree.logq, valid).budgets
+                    if arm is None or arm.kind == "model":
+                        self.ddtree_budgets = policy.choose(tree.logq, valid).budgets
+                    else:  # a fixed arm: each request's best `budget` nodes
+                        self.ddtree_budgets = valid.sum(1).clamp(max=arm.budget)
                     if self.ddtree_tp is not None:
                         self.ddtree_budgets = self.ddtree_tp.budgets(self.ddtree_budgets)
             elif policy is not None:
@@ -577,6 +595,21 @@ class DDTreeRunnerMixin:
         return DDTreeDraftTokenIds(out.req_ids, out.draft_token_ids, parents)
 
     # ------------------------------------------------------------------ adaptive budget
+    def _ddtree_log_best(self, num_reqs: int) -> None:
+        """Log when the arm that delivers the most changes at a batch size."""
+        best = self.ddtree_tuner.best(num_reqs)
+        if best is None:
+            return
+        bucket = max(num_reqs, 1).bit_length() - 1
+        if self.ddtree_best.get(bucket) == best.name:
+            return
+        self.ddtree_best[bucket] = best.name
+        rates = self.ddtree_tuner.rates(num_reqs)
+        logger.info("DDTree adaptive budget: at %d-%d requests %s delivers the most (%s)",
+                    2 ** bucket, 2 ** (bucket + 1) - 1, best.name,
+                    ", ".join(f"{n} {r:.0f} tok/s" for n, r in
+                              sorted(rates.items(), key=lambda kv: -kv[1])))
+
     def _ddtree_start_policy(self) -> None:
         """Create the adaptive policy with its cost model: pinned by
         ``VLLM_DDTREE_COST_MODEL``, or profiled now from dummy forwards."""
@@ -591,6 +624,8 @@ class DDTreeRunnerMixin:
         else:
             cost = self._ddtree_profile_costs(max_tokens, max_reqs)
         self.ddtree_policy = AdaptivePolicy(self.ddtree.budget, cost, self.device)
+        if not pinned:
+            self.ddtree_tuner = RateTuner(self.ddtree.budget)
 
     @torch.inference_mode()
     def _ddtree_profile_costs(self, max_tokens: int, max_reqs: int) -> CostModel:
@@ -645,10 +680,17 @@ class DDTreeRunnerMixin:
             draft_s = draft_s() if callable(draft_s) else draft_s
             step_s = last["end"] - last["start"] + min(gap, 3 * self.ddtree_gap_s + 2e-3)
             self.ddtree_policy.observe(last["reqs"], last["tokens"], step_s, draft_s)
+            if self.ddtree_tuner is not None and "emitted" in last:
+                self.ddtree_tuner.observe(last["reqs"], last["emitted"], step_s,
+                                          counted=last["decoding"])
+                self._ddtree_log_best(last["reqs"])
         total = scheduler_output.total_num_scheduled_tokens
         if total:
-            self.ddtree_step = {"start": now, "tokens": total,
-                                "reqs": len(scheduler_output.num_scheduled_tokens)}
+            reqs = len(scheduler_output.num_scheduled_tokens)
+            drafts = sum(len(d) for d in scheduler_output.scheduled_spec_decode_tokens.values())
+            # every scheduled request decodes (no prefill chunk in the step)
+            self.ddtree_step = {"start": now, "tokens": total, "reqs": reqs,
+                                "decoding": total == reqs + drafts}
 
     # ------------------------------------------------------------------ metrics
     def _ddtree_open_stats(self) -> CounterWriter | None:

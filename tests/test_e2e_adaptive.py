@@ -79,6 +79,10 @@ def test_adaptive_profiled_greedy_identical(plain, tiny_pair, tmp_path):
     assert values == sorted(values, reverse=True), "calibration not monotone in q"
     cost = dd["budget_cost_seconds"]
     assert 0 < cost["plain_step"] <= cost["tree_step"] and cost["draft"] > 0
+    # the delivered-rate tuner ran several arms and measured them
+    arms = dd["budget_arm_steps"]
+    assert sum(v > 0 for v in arms.values()) >= 2, arms
+    assert max(dd["budget_arm_tokens_per_second"].values()) > 0
 
 
 def test_adaptive_mixed_budgets_greedy_identical(plain, tiny_pair, tmp_path):

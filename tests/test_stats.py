@@ -106,6 +106,41 @@ def test_stats_dir_is_fresh_per_configuration():
     assert a != b and os.path.isdir(a) and os.path.isdir(b)
 
 
+def test_stats_dir_is_inherited_by_the_processes_a_deployment_starts(tmp_path):
+    """An API server that builds the configuration again (``vllm serve`` with
+    several of them) reads the directory its parent made for the engines."""
+    import subprocess
+    import sys
+
+    made = new_stats_dir()
+    code = ("from vllm_ddtree.core.stats import new_stats_dir; print(new_stats_dir())")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=dict(os.environ), check=True).stdout.strip()
+    assert child == made
+    alone = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={k: v for k, v in os.environ.items()
+                                if not k.startswith("VLLM_DDTREE_STATS")},
+                           check=True).stdout.strip()
+    assert alone != made
+
+
+def test_tuner_arms_round_trip(tmp_path):
+    """Decisions per arm are counted; the rates are the latest gauges."""
+    path = str(tmp_path / "engine-0.bin")
+    w = stats.CounterWriter(path)
+    r = stats.CounterReader(path)
+    before = r.read()
+    w.add_arm(3, [0.0, 10.0, 20.0, 30.0])
+    w.add_arm(3, [0.0, 10.0, 20.0, 31.0])
+    w.add_arm(0, [5.0])
+    d = r.read() - before
+    assert d.arm_steps[:4].tolist() == [1, 0, 0, 2] and d.arm_steps.sum() == 3
+    assert d.arm_rate[:2].tolist() == [5.0, 0.0]
+    with pytest.raises(ValueError, match="arm index"):
+        w.add_arm(stats.ARM_SLOTS, [])
+    w.close()
+
+
 # ---------------------------------------------------------------- /metrics logger
 def _sample(name: str, labels: dict | None = None) -> float | None:
     import prometheus_client

@@ -27,6 +27,13 @@ metric                                 type       meaning
                                                   (label ``component``:
                                                   plain_step, tree_step, draft,
                                                   per_node)
+``vllm:ddtree_budget_arm_steps``       counter    decisions per arm of the
+                                                  delivered-rate tuner (label
+                                                  ``arm``: plain, fixed2, ...,
+                                                  model)
+``vllm:ddtree_budget_arm_tokens_per_second`` gauge  each arm's measured
+                                                  tokens/s at the last batch
+                                                  size (label ``arm``)
 =====================================  =========  ===============================
 
 Counters carry the ``_total`` suffix on the wire. Acceptance length over a
@@ -52,6 +59,7 @@ from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 from vllm_ddtree.core.config import ddtree_runtime
 from vllm_ddtree.core.stats import (CAL_BINS, CHOSEN_BINS, COST_GAUGES, CounterReader, Snapshot,
                                stats_file)
+from vllm_ddtree.core.tuner import RateTuner
 
 logger = init_logger("vllm.ddtree")
 
@@ -96,7 +104,8 @@ class DDTreeStatLogger(AggregateStatLoggerBase):
         names = [n for n, _, _ in _COUNTERS] + [
             "vllm:ddtree_accepted_depth", "vllm:ddtree_acceptance_length",
             "vllm:ddtree_expected_acceptance_length", "vllm:ddtree_budget_nodes_per_step",
-            "vllm:ddtree_budget_calibration", "vllm:ddtree_budget_cost_seconds"]
+            "vllm:ddtree_budget_calibration", "vllm:ddtree_budget_cost_seconds",
+            "vllm:ddtree_budget_arm_steps", "vllm:ddtree_budget_arm_tokens_per_second"]
         _unregister(names)
         self.counters = {}
         for name, attr, doc in _COUNTERS:
@@ -140,6 +149,19 @@ class DDTreeStatLogger(AggregateStatLoggerBase):
             "DDTree adaptive budget: the cost model at the last decision's batch (plain_step, "
             "tree_step with the chosen nodes, the drafter's share, and one more node).",
             "component", COST_GAUGES)
+        self.arm_names = [a.name for a in RateTuner(runtime.budget).arms]
+        arm_steps = prometheus_client.Counter(
+            name="vllm:ddtree_budget_arm_steps",
+            documentation="DDTree adaptive budget: decisions that ran each arm of the "
+                          "delivered-rate tuner (plain, fixed b, model).",
+            labelnames=labelnames + ["arm"])
+        self.arm_steps = {i: [arm_steps.labels(*values[i], n) for n in self.arm_names]
+                          for i in self.engine_indexes}
+        self.arm_rate = labelled_gauges(
+            "vllm:ddtree_budget_arm_tokens_per_second",
+            "DDTree adaptive budget: each arm's measured output tokens per second at the "
+            "last decision's batch size (0: not measured there yet).",
+            "arm", self.arm_names)
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
         # Every engine's file, whichever engine's output arrived: with several
@@ -174,6 +196,12 @@ class DDTreeStatLogger(AggregateStatLoggerBase):
             for g, v in zip(self.calibration[engine_idx], snap.calibration):
                 g.set(float(v))
             for g, v in zip(self.cost[engine_idx], snap.cost):
+                g.set(float(v))
+        for c, inc in zip(self.arm_steps[engine_idx], delta.arm_steps):
+            if inc > 0:
+                c.inc(float(inc))
+        if snap.arm_steps.any():
+            for g, v in zip(self.arm_rate[engine_idx], snap.arm_rate):
                 g.set(float(v))
 
     def log(self):

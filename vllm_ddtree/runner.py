@@ -446,6 +446,10 @@ class DDTreeRunnerMixin:
         num_reqs = self.input_batch.num_reqs
         arm = (self.ddtree_tuner.arm(num_reqs)
                if policy is not None and self.ddtree_tuner is not None else None)
+        if arm is not None and self.ddtree_stats is not None:
+            rates = self.ddtree_tuner.rates(num_reqs)
+            self.ddtree_stats.add_arm(self.ddtree_tuner.arms.index(arm),
+                                      [rates.get(a.name, 0.0) for a in self.ddtree_tuner.arms])
         if arm is not None and arm.kind != "model":
             drafting = arm.drafts
         else:

@@ -44,7 +44,11 @@ The adaptive budget adds, per decision (one per drafting or skipped step):
 * gauges (the latest value, not summed): ``calibration[k]``, the realised
   acceptance probability of a node with ``log q`` in ``(-(k+1)/2, -k/2]``;
   ``cost``: the cost model at the last decision's batch, in seconds (a plain
-  step, a tree step with the chosen nodes, the drafter's share, one more node).
+  step, a tree step with the chosen nodes, the drafter's share, one more node);
+* ``arm_steps[k]``: decisions that ran the delivered-rate tuner's arm ``k``
+  (``core.tuner.RateTuner.arms`` order: plain, fixed 2, 4, ..., fixed B,
+  model); gauge ``arm_rate[k]``: the arm's measured tokens/s at the last
+  decision's batch size (0: not measured there).
 """
 
 from __future__ import annotations
@@ -64,8 +68,9 @@ POLICY_FIELDS = ("decided_steps", "plain_steps", "chosen_nodes")
 CHOSEN_BINS = 16  # 0, 1, 2-3, 4-7, ..., >= 2**14 nodes per decision
 CAL_BINS = 32  # = vllm_ddtree.core.budget.CAL_BINS
 COST_GAUGES = ("plain_step", "tree_step", "draft", "per_node")
+ARM_SLOTS = 12  # plain, fixed 2 .. 256 and B (<= 512), model
 _MAGIC = 0x44445453  # "DDTS"
-_VERSION = 2
+_VERSION = 3
 _HEADER = 3  # magic, version, sequence
 _OFFSET = {f: _HEADER + i for i, f in enumerate(FIELDS)}
 _HIST = _HEADER + len(FIELDS)
@@ -73,7 +78,9 @@ _POLICY = _HIST + HIST_BINS
 _CHOSEN = _POLICY + len(POLICY_FIELDS)
 _CAL = _CHOSEN + CHOSEN_BINS
 _COST = _CAL + CAL_BINS
-_SIZE = _COST + len(COST_GAUGES)
+_ARMS = _COST + len(COST_GAUGES)
+_ARM_RATE = _ARMS + ARM_SLOTS
+_SIZE = _ARM_RATE + ARM_SLOTS
 _NBYTES = _SIZE * 8
 
 
@@ -94,6 +101,8 @@ class Snapshot:
     chosen_hist: np.ndarray = field(default_factory=lambda: np.zeros(CHOSEN_BINS))
     calibration: np.ndarray = field(default_factory=lambda: np.zeros(CAL_BINS))
     cost: np.ndarray = field(default_factory=lambda: np.zeros(len(COST_GAUGES)))
+    arm_steps: np.ndarray = field(default_factory=lambda: np.zeros(ARM_SLOTS))
+    arm_rate: np.ndarray = field(default_factory=lambda: np.zeros(ARM_SLOTS))
 
     @classmethod
     def from_array(cls, a: np.ndarray) -> "Snapshot":
@@ -101,7 +110,8 @@ class Snapshot:
                    depth_hist=a[_HIST:_POLICY].copy(),
                    **{f: float(a[_POLICY + i]) for i, f in enumerate(POLICY_FIELDS)},
                    chosen_hist=a[_CHOSEN:_CAL].copy(), calibration=a[_CAL:_COST].copy(),
-                   cost=a[_COST:_SIZE].copy())
+                   cost=a[_COST:_ARMS].copy(), arm_steps=a[_ARMS:_ARM_RATE].copy(),
+                   arm_rate=a[_ARM_RATE:_SIZE].copy())
 
     def __sub__(self, other: "Snapshot") -> "Snapshot":
         """The increase of every counter; gauges keep this snapshot's value."""
@@ -109,7 +119,9 @@ class Snapshot:
                         depth_hist=self.depth_hist - other.depth_hist,
                         **{f: getattr(self, f) - getattr(other, f) for f in POLICY_FIELDS},
                         chosen_hist=self.chosen_hist - other.chosen_hist,
-                        calibration=self.calibration.copy(), cost=self.cost.copy())
+                        calibration=self.calibration.copy(), cost=self.cost.copy(),
+                        arm_steps=self.arm_steps - other.arm_steps,
+                        arm_rate=self.arm_rate.copy())
 
     @property
     def nodes_per_decision(self) -> float | None:
@@ -228,7 +240,20 @@ class CounterWriter:
         if calibration is not None:
             a[_CAL:_COST] = np.asarray(calibration, dtype=np.float64)[:CAL_BINS]
         if cost is not None:
-            a[_COST:_SIZE] = np.asarray(cost, dtype=np.float64)
+            a[_COST:_ARMS] = np.asarray(cost, dtype=np.float64)
+        a[2] += 1
+
+    def add_arm(self, index: int, rates) -> None:
+        """One decision of the delivered-rate tuner: it ran arm ``index``;
+        ``rates`` (tokens/s per arm, 0 when not measured) at this batch size."""
+        if not 0 <= index < ARM_SLOTS:
+            raise ValueError(f"DDTree stats: arm index {index} outside 0..{ARM_SLOTS - 1}")
+        r = np.zeros(ARM_SLOTS)
+        r[: len(rates)] = np.asarray(rates, dtype=np.float64)[:ARM_SLOTS]
+        a = self._a
+        a[2] += 1
+        a[_ARMS + index] += 1
+        a[_ARM_RATE:_SIZE] = r
         a[2] += 1
 
     def snapshot(self) -> Snapshot:

@@ -32,8 +32,8 @@ metric                                 type       meaning
                                                   ``arm``: plain, fixed2, ...,
                                                   model)
 ``vllm:ddtree_budget_arm_tokens_per_second`` gauge  each arm's measured
-                                                  tokens/s at the last batch
-                                                  size (label ``arm``)
+                                                  tokens/s at the batch size
+                                                  measured last (label ``arm``)
 =====================================  =========  ===============================
 
 Counters carry the ``_total`` suffix on the wire. Acceptance length over a

@@ -447,7 +447,8 @@ class DDTreeRunnerMixin:
         arm = (self.ddtree_tuner.arm(num_reqs)
                if policy is not None and self.ddtree_tuner is not None else None)
         if arm is not None and self.ddtree_stats is not None:
-            rates = self.ddtree_tuner.rates(num_reqs)
+            last = self.ddtree_tuner.last_measured()
+            rates = last[1] if last is not None else {}
             self.ddtree_stats.add_arm(self.ddtree_tuner.arms.index(arm),
                                       [rates.get(a.name, 0.0) for a in self.ddtree_tuner.arms])
         if arm is not None and arm.kind != "model":

@@ -174,6 +174,13 @@ class RateTuner:
             return {}
         return {n: s.rate for n, s in bucket.stats.items() if s.rate is not None}
 
+    def last_measured(self) -> tuple[int, dict[str, float]] | None:
+        """The bucket of the last trial that closed, with its arms' rates."""
+        if not self.history:
+            return None
+        b = self.history[-1][0]
+        return b, self.rates(1 << b)
+
     # ------------------------------------------------------------ internals
     def _close(self, trial: _Trial) -> None:
         rate = trial.tokens / trial.seconds

@@ -160,7 +160,7 @@ class DDTreeStatLogger(AggregateStatLoggerBase):
         self.arm_rate = labelled_gauges(
             "vllm:ddtree_budget_arm_tokens_per_second",
             "DDTree adaptive budget: each arm's measured output tokens per second at the "
-            "last decision's batch size (0: not measured there yet).",
+            "batch size measured last (0: not measured there yet).",
             "arm", self.arm_names)
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):

@@ -106,6 +106,11 @@ class DDTreeRunnerMixin:
         # model, under which the model decides alone)
         self.ddtree_tuner: RateTuner | None = None
         self.ddtree_best: dict[int, str] = {}  # bucket -> best arm last logged
+        # Plain steps' tokens whose drafter context K/V is not stored yet:
+        # (hidden states, positions, drafter slots) per step, stored together
+        # when the drafter next runs (plain steps then cost what plain decoding does).
+        self.ddtree_pending_context: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.ddtree_pending_rows = 0
         self.ddtree_budgets: torch.Tensor | None = None  # [R] of the last drafts
         self.ddtree_step: dict | None = None  # the step being timed
         self.ddtree_gap_s = 0.0  # engine time between two runner steps (EWMA)
@@ -356,10 +361,13 @@ class DDTreeRunnerMixin:
 
     def _sample(self, logits, spec_decode_metadata):
         rnd = self.ddtree_round if self.ddtree is not None else None
+        if self.ddtree is not None and _no_drafts(spec_decode_metadata):
+            # A step without drafts (vLLM builds its spec metadata with zero
+            # drafts per row in a speculative engine): vLLM's plain sampler,
+            # as a plain engine samples. Its GDN rows were roots: nothing to commit.
+            self.ddtree_gdn_step = None
+            return super()._sample(logits, None)
         if rnd is None or spec_decode_metadata is None:
-            # (a step without drafts: its GDN rows were roots, nothing to commit)
-            if self.ddtree is not None:
-                self.ddtree_gdn_step = None
             return super()._sample(logits, spec_decode_metadata)
         md = spec_decode_metadata
         sampling = self.input_batch.sampling_metadata
@@ -457,9 +465,11 @@ class DDTreeRunnerMixin:
             drafting = policy is None or policy.should_draft(num_reqs)
         if policy is not None and self.ddtree_tp is not None:
             drafting = self.ddtree_tp.mode(drafting)
-        if not drafting and spec_decode_metadata is None and aux_hidden_states:
+        if not drafting and _no_drafts(spec_decode_metadata) and aux_hidden_states:
             # A plain step in plain mode: every scheduled token is context.
             return self._ddtree_plain_step(scheduler_output, aux_hidden_states, num_reqs)
+        if self.ddtree is not None:
+            self._ddtree_store_pending_context()
         if not drafting:  # the step verified drafts: the stock path drops rejected rows
             self.drafter.skip_block = True
             policy.skipped()
@@ -496,13 +506,18 @@ class DDTreeRunnerMixin:
         return drafts
 
     def _ddtree_plain_step(self, scheduler_output, aux_hidden_states, num_reqs):
-        """Plain mode after a plain step: store the drafter's context K/V of
-        the step's tokens (what a drafting step would store first) and
-        schedule no drafts, without the rest of the drafting machinery."""
+        """Plain mode after a plain step: keep the step's tokens for the
+        drafter's context K/V (stored in one batched call when drafting
+        resumes, ``_ddtree_store_pending_context``) and schedule no drafts,
+        without the rest of the drafting machinery."""
         n = scheduler_output.total_num_scheduled_tokens
         slots = self.input_batch.block_table[self.drafter.kv_cache_gid].slot_mapping.gpu[:n]
-        self.drafter.store_context(torch.cat([h[:n] for h in aux_hidden_states], dim=-1),
-                                   self.positions[:n], slots)
+        pending = self.ddtree_pending_context
+        pending.append((torch.cat([h[:n] for h in aux_hidden_states], dim=-1),
+                        self.positions[:n].clone(), slots.clone()))
+        self.ddtree_pending_rows += n
+        if self.ddtree_pending_rows >= PENDING_CONTEXT_ROWS:
+            self._ddtree_store_pending_context()
         self.ddtree_policy.skipped()
         self.ddtree_round = None
         self.ddtree_trees = None
@@ -511,6 +526,19 @@ class DDTreeRunnerMixin:
             self.ddtree_step["end"] = time.perf_counter()
         self._ddtree_flush_stats()
         return torch.zeros(num_reqs, self.ddtree.budget, dtype=torch.long, device=self.device)
+
+    def _ddtree_store_pending_context(self) -> None:
+        """The drafter's context K/V of the tokens of plain steps since it last
+        ran, in one call, in step order (a slot that changed hands between
+        plain steps gets its last owner's values), before anything reads the
+        drafter's cache again."""
+        pending = self.ddtree_pending_context
+        if not pending:
+            return
+        hidden, positions, slots = (torch.cat(parts) for parts in zip(*pending))
+        pending.clear()
+        self.ddtree_pending_rows = 0
+        self.drafter.store_context(hidden, positions, slots)
 
     def _update_states_after_model_execute(self, output_token_ids, scheduler_output):
         if self.ddtree is None or not self.ddtree_gdn_layers:
@@ -727,6 +755,14 @@ class DDTreeRunnerMixin:
 
 
 PROFILE_MAX_TOKENS = 1024  # largest dummy forward of the start-up profile
+# Plain steps' tokens kept for the drafter's context before they are stored anyway.
+PENDING_CONTEXT_ROWS = 8192
+
+
+def _no_drafts(spec_decode_metadata) -> bool:
+    """Whether a step verifies no draft token (vLLM builds spec metadata with
+    zero drafts per row in a speculative engine)."""
+    return spec_decode_metadata is None or spec_decode_metadata.max_spec_len == 0
 _DUMMY_RUN_SIG = inspect.signature(GPUModelRunner._dummy_run)
 
 

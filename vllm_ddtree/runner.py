@@ -176,7 +176,25 @@ class DDTreeRunnerMixin:
         return super().execute_model(scheduler_output, *args, **kwargs)
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
-        out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        if (self.ddtree is not None and not scheduler_output.scheduled_spec_decode_tokens
+                and not self.ddtree_gdn_layers):
+            # No request verifies drafts (a plain step): prepared as a plain
+            # engine prepares it, without vLLM's zero-draft spec metadata, so
+            # that plain steps cost what plain decoding costs. (GDN targets
+            # keep it: vLLM runs their decode rows on the speculative path.)
+            spec, self.speculative_config = self.speculative_config, None
+            try:
+                out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+            finally:
+                self.speculative_config = spec
+            self._ddtree_flush_stats()
+            self.ddtree_trees = self.ddtree_round = self.ddtree_gdn_step = None
+            self.ddtree_valid = None
+            self.ddtree_scheduled = {}
+            self.ddtree_expected = frozenset()
+            return out
+        else:
+            out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         if self.ddtree is None:
             return out
         self._ddtree_flush_stats()

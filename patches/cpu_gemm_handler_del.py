@@ -29,13 +29,17 @@ recover from stack overflow``, a stack of ``__repr__`` -> ``item``) is that
 path re-entering dispatch. Both start at the one dispatched ``.item()`` in the
 finalizer.
 
-Fix: the finalizer must not depend on ambient dispatch state. The replacement
-takes the tensor off the handler first (so a handle is released at most once),
-then reads the address and calls the release op with Python dispatch modes and
-``__torch_function__`` handling disabled for those two calls, so they run the
-plain CPU kernels whatever mode is active. Outside any mode this is exactly
-vLLM's release; under a fake or tracing mode the handle is now released
-instead of leaked.
+Fix: the finalizer must not run a tensor op at all. Turning dispatch modes
+off is not enough: the collection can land inside a fake mode's own
+dispatch, where the mode is off the stack but torch's Python dispatcher
+still routes ``.item()`` to its Python reference (``torch._refs.item``), which
+recurses as above. So the replacement takes the tensor off the handler (a
+handle is released at most once), reads the address straight from the
+tensor's memory (``data_ptr``, a plain pointer read, no dispatch) and queues
+the release; :func:`release_pending` runs the queued release ops at a point
+where no tracing can be active: the model runner calls it after loading the
+model, after the KV cache and compilation warm-up, and at the start of every
+step (a no-op when nothing is queued).
 
 Upstream status: present in vLLM 0.32.0 (``vllm/_custom_ops.py``). Drop this
 patch when vLLM's handler keeps the address as a Python int, or releases it
@@ -44,25 +48,40 @@ without dispatching.
 
 from __future__ import annotations
 
+import ctypes
 import functools
-
-import torch
+from typing import Any
 
 from vllm_ddtree.patches.base import CPU_ONLY, Patch, on_cpu
 
 _TARGET = "vllm._custom_ops:CPUDNNLGEMMHandler.__del__"
 
+# (release op, handle address) of finalized handlers, released at a safe point
+PENDING_HANDLES: list[tuple[Any, int]] = []
+
 
 def release_handle(handler) -> bool:
-    """Release ``handler``'s native handle once, without tensor dispatch.
-    Returns whether there was one to release."""
+    """Queue ``handler``'s native handle for release, once, without running
+    any tensor op. Returns whether there was one to release."""
     handle = handler.__dict__.get("handler_tensor")
     if handle is None:
         return False
     handler.handler_tensor = None
-    with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
-        handler.dtor(handle.item())
+    # the 0-dim int64 CPU tensor's value, read from its memory: no dispatch
+    address = ctypes.c_int64.from_address(handle.data_ptr()).value
+    PENDING_HANDLES.append((handler.dtor, address))
     return True
+
+
+def release_pending() -> int:
+    """Release every queued handle (call where no tracing is active).
+    Returns how many were released."""
+    done = 0
+    while PENDING_HANDLES:
+        dtor, address = PENDING_HANDLES.pop()
+        dtor(address)
+        done += 1
+    return done
 
 
 def _build(original):
@@ -78,8 +97,8 @@ PATCH = Patch(
     target=_TARGET,
     why="CPUDNNLGEMMHandler.__del__ calls handler_tensor.item(); when the garbage collector "
         "runs it under torch.compile's FakeTensorMode the call is refused, the oneDNN handle "
-        "leaks, and the error path can recurse until a fatal stack overflow; release without "
-        "tensor dispatch",
+        "leaks, and the error path can recurse until a fatal stack overflow; read the address "
+        "without a tensor op and release the handle at a safe point",
     upstream="not fixed in vLLM 0.32.0 (__del__ dispatches .item())",
     vllm_versions=CPU_ONLY,
     build=_build,

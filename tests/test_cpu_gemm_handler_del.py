@@ -1,6 +1,8 @@
 """vLLM CPU's oneDNN GEMM handles are released, once, also when the garbage
 collector finalizes them under torch.compile's FakeTensorMode
-(patches/cpu_gemm_handler_del.py)."""
+(patches/cpu_gemm_handler_del.py): the finalizer runs no tensor op, and
+queues the release for the model runner's next safe point
+(``release_pending``)."""
 
 from __future__ import annotations
 
@@ -58,11 +60,13 @@ def _handler():
 def test_the_handle_is_released_when_collected_normally(unraisable, capfd):
     h, address, released = _handler()
     del h
+    assert released == [] and patch_mod.release_pending() == 1
     assert released == [address]
     h, address, released = _handler()
     h.me = h  # a reference cycle: only the cyclic collector frees it
     del h
     gc.collect()
+    patch_mod.release_pending()
     assert released == [address]
     assert not unraisable and "Exception ignored" not in capfd.readouterr().err
 
@@ -71,8 +75,28 @@ def test_the_handle_is_released_when_collected_under_fake_mode(unraisable, capfd
     h, address, released = _handler()
     with FakeTensorMode():
         del h
+        assert released == []  # no op runs inside the mode
+    patch_mod.release_pending()
     assert released == [address]
     assert not unraisable
+
+
+def test_no_tensor_op_runs_in_the_finalizer(monkeypatch):
+    """The engine's fatal case: the collection lands inside a fake mode's own
+    dispatch, where torch's Python dispatcher sends ``.item()`` to
+    ``torch._refs.item`` (which recursed through ``__repr__`` until the stack
+    overflowed). The finalizer must not call it, nor any op."""
+    import torch._refs
+
+    def no_item(*args, **kwargs):
+        raise AssertionError("the finalizer dispatched .item()")
+
+    h, address, released = _handler()
+    monkeypatch.setattr(torch.Tensor, "item", no_item)
+    monkeypatch.setattr(torch._refs, "item", no_item)
+    del h
+    monkeypatch.undo()
+    assert patch_mod.release_pending() == 1 and released == [address]
 
 
 def test_the_collector_running_during_fake_tracing_releases_it(monkeypatch, capfd):
@@ -86,6 +110,7 @@ def test_the_collector_running_during_fake_tracing_releases_it(monkeypatch, capf
         x = torch.empty(8, 8)
         gc.collect()
         (x @ x).sum()
+    patch_mod.release_pending()
     err = capfd.readouterr().err
     assert "Exception ignored" not in err and "FakeTensor" not in err, err[:200] + err[-400:]
     assert released == [address]
@@ -94,9 +119,11 @@ def test_the_collector_running_during_fake_tracing_releases_it(monkeypatch, capf
 def test_a_handle_is_released_at_most_once(unraisable):
     h, address, released = _handler()
     type(h).__del__(h)
+    patch_mod.release_pending()
     assert released == [address] and h.handler_tensor is None
     del h
     gc.collect()
+    patch_mod.release_pending()
     assert released == [address]
     assert not unraisable
 
@@ -113,5 +140,6 @@ def test_stock_del_leaks_the_handle_under_fake_mode():
         with pytest.raises(Exception, match="Please convert all Tensors to FakeTensors"):
             stock(h)
     assert released == []
-    del h  # the patched finalizer releases it now
+    del h  # the patched finalizer queues it
+    patch_mod.release_pending()
     assert released == [address]

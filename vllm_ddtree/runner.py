@@ -57,6 +57,7 @@ from vllm_ddtree.gdn import GDNTreeStep, tree_step
 from vllm_ddtree.core.node_history import (chain_parents, keep_nodes, node_depths,
                                       row_index)
 from vllm_ddtree.parallel import TPAgreement
+from vllm_ddtree.patches import cpu_gemm_handler_del as _gemm_del
 from vllm_ddtree.node_sampling import (NodeRows, logprobs_of_outputs, min_p_per_request,
                                        needs_processing, process_nodes)
 from vllm_ddtree.proposer import DDTreeProposer
@@ -146,6 +147,7 @@ class DDTreeRunnerMixin:
     # ------------------------------------------------------------------ start-up guards
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
+        _release_gemm_handles()
         if self.ddtree is not None:
             check_tree_capable_layers(self.vllm_config, self.drafter.target_attn_layers)
             self.ddtree_gdn_layers = check_tree_capable_gdn_layers(self.vllm_config)
@@ -155,6 +157,7 @@ class DDTreeRunnerMixin:
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        _release_gemm_handles()
         if self.ddtree is not None:
             self.ddtree_kv_group = target_kv_cache_group(
                 kv_cache_config, self.drafter.target_attn_layers)
@@ -171,6 +174,7 @@ class DDTreeRunnerMixin:
 
     # ------------------------------------------------------------------ the round
     def execute_model(self, scheduler_output, *args, **kwargs):
+        _release_gemm_handles()
         if self.ddtree is not None and self.ddtree.adaptive:
             self._ddtree_step_clock(scheduler_output)
         return super().execute_model(scheduler_output, *args, **kwargs)
@@ -782,6 +786,13 @@ def _no_drafts(spec_decode_metadata) -> bool:
     zero drafts per row in a speculative engine)."""
     return spec_decode_metadata is None or spec_decode_metadata.max_spec_len == 0
 _DUMMY_RUN_SIG = inspect.signature(GPUModelRunner._dummy_run)
+
+
+def _release_gemm_handles() -> None:
+    """vLLM CPU's oneDNN handles finalized since the last call (queued by
+    patches/cpu_gemm_handler_del.py, where no tensor op may run)."""
+    if _gemm_del.PENDING_HANDLES:
+        _gemm_del.release_pending()
 
 
 def full_graph_replay() -> int | None:

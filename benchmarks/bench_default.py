@@ -1,0 +1,216 @@
+"""Is the default the fastest way to decode? Every arm, every load, several pairs.
+
+    python -m benchmarks.bench_default --config dense dense_k7 hybrid heavy \\
+        --concurrency 1 4 16 64 --rounds 3 --plot docs/default_speed.png
+
+For each configuration, the arms run as offline engines alive at once
+(``benchmarks/interleave.py``), compiled, greedy, and are driven in turn:
+for every round, every concurrency ``c`` (``c`` HumanEval prompts at once,
+at least ``--min-tokens`` output tokens per measurement), every arm. The
+arms: plain decoding, the DFlash chain with the same drafter, DDTree at a
+fixed budget of 4, 8, 16, 32 and 64, and DDTree's default (adaptive, at most
+64 nodes). A warm-up pass per concurrency comes first (it also checks that
+every arm's greedy output equals plain decoding's; a mismatch stops the
+run). Because each engine sees the load change from one concurrency to the
+next and back (1, 4, 16, 64, 1, ...), the default's adaptation to load is
+part of what is measured.
+
+Configurations:
+
+``dense``     the bundled pair (fp32; chain K = 15)
+``dense_k7``  the same pair limited to 7 drafter positions
+              (``ddtree_max_depth: 7``; chain K = 7)
+``hybrid``    the bundled Gated DeltaNet hybrid (bf16; chain K = 15)
+``heavy``     the bundled pair with its target padded to about 80M parameters
+              that add exactly zero (``benchmarks/tiny_pair/heavy.py``): a
+              weight-bound step, the same predictions
+
+Per (configuration, c): tokens/s per arm (median over rounds), the best
+non-default arm, and the default's ratio to it. Results:
+``benchmarks/results/default_<config>.json``, a Markdown table on stdout,
+and with ``--plot`` tokens/s against concurrency per configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.interleave import Arms
+from benchmarks.run_llm import humaneval_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXED = (4, 8, 16, 32, 64)
+DEFAULT_BUDGET = 64
+
+
+def configuration(name: str) -> dict:
+    models = ROOT / "models"
+    if name in ("dense", "dense_k7"):
+        target, drafter, dtype = models / "tiny-qwen3", models / "tiny-qwen3-dflash", "float32"
+    elif name == "hybrid":
+        target, drafter, dtype = models / "tiny-qwen35", models / "tiny-qwen35-dflash", "bfloat16"
+    elif name == "heavy":
+        from benchmarks.tiny_pair.heavy import heavy_target
+
+        target = heavy_target()
+        drafter, dtype = Path(f"{target}-dflash"), "float32"
+    else:
+        raise SystemExit(f"--config: unknown configuration {name!r}; choose from dense, "
+                         f"dense_k7, hybrid, heavy")
+    depth = 7 if name == "dense_k7" else None
+    llm = {"dtype": dtype, "enforce_eager": False, "max_model_len": 2048,
+           "max_num_seqs": 128}
+    if name == "hybrid":
+        llm["enable_prefix_caching"] = False
+    return {"target": str(target), "drafter": str(drafter), "depth": depth, "llm": llm}
+
+
+def arms(cfg: dict) -> dict[str, dict]:
+    drafter, depth = cfg["drafter"], cfg["depth"]
+    extra = {"ddtree_max_depth": depth} if depth else {}
+    specs = {"plain": None,
+             "chain": {"method": "dflash", "model": drafter,
+                       "num_speculative_tokens": depth or 15}}
+    for b in FIXED:
+        specs[f"fixed{b}"] = {"method": "ddtree", "model": drafter, "num_speculative_tokens": b,
+                              "ddtree_adaptive": False, **extra}
+    specs["default"] = {"method": "ddtree", "model": drafter,
+                        "num_speculative_tokens": DEFAULT_BUDGET, **extra}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    return {name: {"model": cfg["target"], "speculative_config": spec, "llm": cfg["llm"],
+                   "env": env} for name, spec in specs.items()}
+
+
+def run_config(name: str, args) -> dict:
+    cfg = configuration(name)
+    jobs = arms(cfg)
+    pool = humaneval_prompts(164)
+    rates: dict[str, dict[int, list[float]]] = {a: {c: [] for c in args.concurrency}
+                                                for a in jobs}
+    taus: dict[str, dict[int, list[float]]] = {a: {c: [] for c in args.concurrency}
+                                               for a in jobs}
+    t0 = time.time()
+    with Arms(jobs) as engines:
+        print(f"[{name}] {len(jobs)} engines ready in {time.time() - t0:.0f} s",
+              file=sys.stderr, flush=True)
+
+        def workload(c: int, offset: int):
+            max_tokens = max(args.min_output, -(-args.min_tokens // c))
+            prompts = [pool[(offset + i) % len(pool)] for i in range(c)]
+            return prompts, {"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True}
+
+        for c in args.concurrency:  # warm-up, and the arms must agree
+            prompts, sampling = workload(c, 0)
+            outs = {a: engines.run(a, prompts, sampling)["outputs"] for a in engines.names}
+            bad = [a for a in outs if outs[a] != outs["plain"]]
+            if bad:
+                raise RuntimeError(f"[{name}] c={c}: greedy outputs of {bad} differ from "
+                                   f"plain decoding")
+        for r in range(args.rounds):
+            for c in args.concurrency:
+                prompts, sampling = workload(c, 7 * (r + 1))
+                for a in engines.names:
+                    res = engines.run(a, prompts, sampling)
+                    rates[a][c].append(res["num_tokens"] / res["seconds"])
+                    if res["drafts"]:
+                        taus[a][c].append(1 + res["accepted_tokens"] / res["drafts"])
+                line = ", ".join(f"{a} {rates[a][c][-1]:.0f}" for a in engines.names)
+                print(f"[{name}] round {r + 1} c={c}: {line}", file=sys.stderr, flush=True)
+    cells = {}
+    for c in args.concurrency:
+        med = {a: statistics.median(rates[a][c]) for a in jobs}
+        others = {a: v for a, v in med.items() if a != "default"}
+        best = max(others, key=others.get)
+        cells[c] = {"tok_s": med, "best_other": best,
+                    "default_over_best": med["default"] / others[best],
+                    "tau": {a: statistics.median(t) if t else None
+                            for a, t in ((a, taus[a][c]) for a in jobs)},
+                    "rounds": {a: rates[a][c] for a in jobs}}
+    return {"config": name, "models": cfg, "cells": cells}
+
+
+def markdown(result: dict) -> str:
+    cells = result["cells"]
+    concs = list(cells)
+    arms_ = list(next(iter(cells.values()))["tok_s"])
+    lines = [f"\n**{result['config']}** (tokens/s, median of rounds)\n",
+             "| arm | " + " | ".join(f"c={c}" for c in concs) + " |",
+             "| --- | " + " | ".join("---:" for _ in concs) + " |"]
+    for a in arms_:
+        row = []
+        for c in concs:
+            v = cells[c]["tok_s"][a]
+            mark = "**" if a == cells[c]["best_other"] else ""
+            row.append(f"{mark}{v:.1f}{mark}")
+        lines.append(f"| {a} | " + " | ".join(row) + " |")
+    lines.append("| default / best other | " + " | ".join(
+        f"{cells[c]['default_over_best']:.2f}x" for c in concs) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(4.4 * len(results), 3.8))
+    axes = [axes] if len(results) == 1 else list(axes)
+    for ax, res in zip(axes, results):
+        concs = [int(c) for c in res["cells"]]
+        arms_ = list(next(iter(res["cells"].values()))["tok_s"])
+        for a in arms_:
+            ys = [res["cells"][c if c in res["cells"] else str(c)]["tok_s"][a] for c in concs]
+            style = dict(linewidth=2.6, color="black") if a == "default" else dict(linewidth=1)
+            ax.plot(concs, ys, marker="o", markersize=3, label=a, **style)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(concs, [str(c) for c in concs])
+        ax.set_xlabel("concurrency")
+        ax.set_title(res["config"])
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("output tokens/s")
+    axes[-1].legend(fontsize=7)
+    fig.suptitle("DDTree's default against every arm (CPU, offline, interleaved)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", nargs="+", default=["dense", "dense_k7", "hybrid", "heavy"])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--min-tokens", type=int, default=1024,
+                    help="output tokens per measurement, at least")
+    ap.add_argument("--min-output", type=int, default=64,
+                    help="output tokens per request, at least")
+    ap.add_argument("--plot", help="PNG: tokens/s against concurrency per configuration")
+    ap.add_argument("--replot", nargs="+", metavar="JSON",
+                    help="draw recorded results instead of measuring")
+    args = ap.parse_args()
+    outdir = ROOT / "benchmarks" / "results"
+    if args.replot:
+        plot([json.loads(Path(p).read_text()) for p in args.replot], args.plot)
+        return 0
+    outdir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name in args.config:
+        res = run_config(name, args)
+        res["args"] = vars(args)
+        (outdir / f"default_{name}.json").write_text(json.dumps(res, indent=1))
+        print(markdown(res), flush=True)
+        results.append(res)
+    if args.plot:
+        plot(results, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -154,6 +154,13 @@ def check_engine_args(args: Any, model_config: Any, parallel_config: Any,
     if model_config.is_attention_free:
         raise _refuse("model", "the target has no attention layers, so no tree can be "
                       "verified on it", dflash)
+    if getattr(model_config, "use_mla", False):
+        raise _refuse("model", "the target uses multi-head latent attention (MLA, "
+                      "DeepSeek-style: DeepSeek V2/V3, Kimi K2), which DDTree's tree attention "
+                      "does not implement", dflash)
+    if getattr(model_config, "is_encoder_decoder", False):
+        raise _refuse("model", "the target is an encoder-decoder model; DDTree verifies "
+                      "trees in decoder self-attention only", dflash)
     if model_config.is_hybrid:
         check_hybrid_target(args, model_config, budget, current_platform.is_cpu())
     mm = model_config.multimodal_config
@@ -167,10 +174,6 @@ def check_engine_args(args: Any, model_config: Any, parallel_config: Any,
                        "with image or video inputs are refused. Use method 'dflash' for "
                        "multimodal requests.", model_config.model)
     text = model_config.hf_text_config
-    if model_config.get_sliding_window() is not None or "sliding_attention" in (
-            getattr(text, "layer_types", None) or ()):
-        raise _refuse("model", "the target uses sliding-window attention, which the tree "
-                      "attention kernel does not implement", dflash)
     if getattr(text, "attn_logit_softcapping", None):
         raise _refuse("model", "the target soft-caps attention logits, which the tree "
                       "attention kernel does not implement", dflash)

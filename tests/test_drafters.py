@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from vllm_ddtree.drafters import PUBLISHED, DrafterNotFound, find_drafter
+from vllm_ddtree.drafters import (PUBLISHED, REFUSED, DrafterNotFound, TargetRefused,
+                                  find_drafter)
 
 DFLASH = {"architectures": ["DFlashDraftModel"], "dflash_config": {"mask_token_id": 5},
           "block_size": 16}
@@ -43,6 +44,38 @@ def test_a_local_target_falls_back_to_the_table_by_name(tmp_path):
 ])
 def test_published_drafters(target, drafter):
     assert find_drafter(target).model == drafter
+
+
+def test_refused_targets_are_refused_before_any_model_loads(tmp_path):
+    """A published target DDTree cannot serve (MLA) is refused at resolution,
+    by id and by a local directory's name, naming the reason and the chain
+    with its published drafter."""
+    assert set(REFUSED) <= set(PUBLISHED)
+    for target in ("moonshotai/Kimi-K2.5", "moonshotai/kimi-k2.5"):
+        with pytest.raises(TargetRefused, match=r"^model: DDTree cannot serve "
+                                                r"moonshotai/Kimi-K2\.5: .*MLA.*\"dflash\".*"
+                                                r"z-lab/Kimi-K2\.5-DFlash"):
+            find_drafter(target)
+    local = tmp_path / "Kimi-K2.5"
+    local.mkdir()
+    with pytest.raises(TargetRefused, match="MLA"):
+        find_drafter(str(local))
+
+
+def test_mla_targets_are_refused_at_configuration():
+    from types import SimpleNamespace
+
+    from vllm_ddtree.core.config import DDTreeConfigError
+    from vllm_ddtree.patches.spec_config import check_engine_args
+
+    model = SimpleNamespace(is_attention_free=False, use_mla=True, is_hybrid=False,
+                            is_encoder_decoder=False)
+    parallel = SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1,
+                               decode_context_parallel_size=1,
+                               prefill_context_parallel_size=1)
+    with pytest.raises(DDTreeConfigError, match=r"^model: .*multi-head latent attention.*"
+                                                r"dflash"):
+        check_engine_args(SimpleNamespace(), model, parallel)
 
 
 def test_table_is_well_formed():

@@ -21,8 +21,8 @@ import json
 import os
 from dataclasses import dataclass
 
-__all__ = ["PUBLISHED", "PUBLISHED_SOURCE", "BESIDE_SUFFIXES", "Drafter", "DrafterNotFound",
-           "find_drafter"]
+__all__ = ["PUBLISHED", "PUBLISHED_SOURCE", "REFUSED", "BESIDE_SUFFIXES", "Drafter",
+           "DrafterNotFound", "TargetRefused", "find_drafter"]
 
 # The DFlash drafters z-lab publishes, by target. Source: the "Supported Models"
 # table of https://github.com/z-lab/dflash (README.md at commit 0a2da23), whose
@@ -48,12 +48,23 @@ PUBLISHED: dict[str, str] = {
     "moonshotai/Kimi-K2.5": "z-lab/Kimi-K2.5-DFlash",
 }
 PUBLISHED_SOURCE = "https://github.com/z-lab/dflash (README, Supported Models)"
+
+# Published targets DDTree cannot serve, with the reason: resolution refuses
+# them up front (the engine would otherwise load the model and then refuse).
+REFUSED: dict[str, str] = {
+    "moonshotai/Kimi-K2.5": "it uses multi-head latent attention (MLA, DeepSeek-style), "
+                            "which DDTree's tree attention does not implement",
+}
 BESIDE_SUFFIXES = ("-dflash", "-DFlash", "-DFlash-b16")
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
 
 
 class DrafterNotFound(ValueError):
     pass
+
+
+class TargetRefused(DrafterNotFound):
+    """A published target DDTree cannot serve (see :data:`REFUSED`)."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +113,12 @@ def find_drafter(target: str) -> Drafter:
         matches = [kv for k, kv in by_id.items() if k.rsplit("/", 1)[-1] == name]
         hit = matches[0] if len(matches) == 1 else None
     if hit is not None:
+        refused = {k.lower(): (k, why) for k, why in REFUSED.items()}.get(hit[0].lower())
+        if refused is not None:
+            raise TargetRefused(
+                f"model: DDTree cannot serve {refused[0]}: {refused[1]}. Use method 'dflash' "
+                f"with its published drafter: '{{\"method\": \"dflash\", \"model\": "
+                f"\"{hit[1]}\"}}'.")
         return Drafter(hit[1], f"the published DFlash drafter for {hit[0]} ({PUBLISHED_SOURCE})")
     tried.append(f"the published DFlash drafters ({len(PUBLISHED)} targets, "
                  f"{PUBLISHED_SOURCE}): none for {target!r}")

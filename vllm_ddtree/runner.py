@@ -10,8 +10,8 @@ vLLM hook                      DDTree
 =============================  ==============================================
 ``load_model``                 start-up guard: every target attention layer
                                is tree-capable
-``initialize_kv_cache``        start-up guard: one KV-cache group for the
-                               target's attention layers; GDN state memory
+``initialize_kv_cache``        the target's KV-cache groups (compaction
+                               moves each by its own slots); GDN state memory
 ``_prepare_inputs``            ``TreeRound.plan`` (+ M-RoPE rows, GDN parents)
 ``_build_attention_metadata``  ``TreeRound.attach``
 ``_model_forward``             ``TreeRound.capturing`` (first-step guard);
@@ -159,7 +159,7 @@ class DDTreeRunnerMixin:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
         _release_gemm_handles()
         if self.ddtree is not None:
-            self.ddtree_kv_group = target_kv_cache_group(
+            self.ddtree_kv_groups = target_kv_cache_groups(
                 kv_cache_config, self.drafter.target_attn_layers)
             if self.ddtree_gdn_layers:
                 log_gdn_state_memory(kv_cache_config, self.ddtree_gdn_layers,
@@ -403,7 +403,8 @@ class DDTreeRunnerMixin:
                             min_p)
         if self.ddtree_tp is not None:
             self.ddtree_tp.check_walk(tokens, rnd.num_accepted)
-        rnd.compact(self.input_batch.block_table[self.ddtree_kv_group].slot_mapping.gpu)
+        for group, layers in self.ddtree_kv_groups.items():
+            rnd.compact(self.input_batch.block_table[group].slot_mapping.gpu, layers)
         step, self.ddtree_gdn_step = self.ddtree_gdn_step, None
         if step is not None:
             step.commit(rnd.path, rnd.num_accepted)
@@ -928,18 +929,22 @@ def log_gdn_state_memory(kv_cache_config, gdn_layers: frozenset[str], budget: in
                 "%.1f MiB per request", len(per_layer), 1 + budget, budget, total / 2**20)
 
 
-def target_kv_cache_group(kv_cache_config, target_layers: frozenset[str]) -> int:
-    """The index of the single KV-cache group holding the target's attention
-    layers; refuse to start when there are several (hybrid or sliding-window
-    targets, whose compaction would need one move per group)."""
-    groups = [g for g, grp in enumerate(kv_cache_config.kv_cache_groups)
-              if target_layers & set(grp.layer_names)]
-    if len(groups) != 1:
-        raise DDTreeSeamError(
-            f"DDTree supports targets whose attention layers share one KV-cache group; this "
-            f"target has {len(groups)} (hybrid, sliding-window or mixed layers). Use method "
-            f"'dflash' for this model.")
-    return groups[0]
+def target_kv_cache_groups(kv_cache_config,
+                           target_layers: frozenset[str]) -> dict[int, frozenset[str]]:
+    """The KV-cache groups holding the target's attention layers, with the
+    target layers of each (one group for uniform targets; several when vLLM
+    groups layers by attention kind, e.g. sliding-window and full layers).
+    Each group has its own block table, so compaction moves each group's
+    layers by that group's slots."""
+    groups = {}
+    for g, grp in enumerate(kv_cache_config.kv_cache_groups):
+        layers = target_layers & set(grp.layer_names)
+        if layers:
+            groups[g] = frozenset(layers)
+    if not groups:
+        raise DDTreeSeamError("DDTree found none of the target's attention layers in vLLM's "
+                              "KV-cache groups. Use method 'dflash' for this model.")
+    return groups
 
 
 def make_runner_class(base: type) -> type:

@@ -144,14 +144,17 @@ class KVCapture:
                    "tree_mask": sorted(self._layers - self._tree_layers)}
         return {k: v for k, v in missing.items() if v}
 
-    def records(self) -> list[KVRecord]:
-        return [self._records[n] for n in sorted(self._written) if n in self._records]
+    def records(self, layers: Iterable[str] | None = None) -> list[KVRecord]:
+        names = self._written if layers is None else self._written.intersection(layers)
+        return [self._records[n] for n in sorted(names) if n in self._records]
 
-    def compact(self, src_slots: Tensor, dst_slots: Tensor) -> int:
+    def compact(self, src_slots: Tensor, dst_slots: Tensor,
+                layers: Iterable[str] | None = None) -> int:
         """Copy the K/V at cache slots ``src_slots`` to ``dst_slots`` in every
-        layer written this step (slots in the runner's slot-mapping dtype).
+        layer written this step, or in those of ``layers`` (one KV-cache group:
+        the slots are that group's, in the runner's slot-mapping dtype).
         Returns the number of layers moved."""
-        records = self.records()
+        records = self.records(layers)
         if not records or src_slots.numel() == 0:
             return 0
         mover = getattr(type(records[0].impl), "move_kv_slots", None)

@@ -341,13 +341,13 @@ class TreeRound:
         return draft_token_ids.long()[idx]
 
     # ------------------------------------------------------------ 5. compact
-    def compact(self, slot_mapping: Tensor) -> None:
+    def compact(self, slot_mapping: Tensor, layers: Iterable[str] | None = None) -> None:
         """Move accepted nodes' K/V from ``slot(p0 + path[k])`` to
-        ``slot(p0 + k)`` in every target layer; ``slot_mapping`` is the target
-        group's, per token row."""
+        ``slot(p0 + k)`` in the target layers ``layers`` (default: all), whose
+        KV-cache group's slot mapping, per token row, is ``slot_mapping``."""
         if not self.any_tree:
             return
-        kv_capture.compact(slot_mapping[self.src_rows], slot_mapping[self.dst_rows])
+        kv_capture.compact(slot_mapping[self.src_rows], slot_mapping[self.dst_rows], layers)
 
     # ------------------------------------------------------------ 6. condition
     def condition(self, aux_hidden_states: Sequence[Tensor] | None, positions: Tensor) -> None:

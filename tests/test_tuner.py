@@ -27,19 +27,26 @@ def test_ladder_and_buckets():
         RateTuner(0)
 
 
-def _run(tuner, rates_at, steps, reqs_at=lambda t: 4, noise=0.05, seed=0, skip=0):
+def _run(tuner, rates_at, steps, reqs_at=lambda t: 4, noise=0.05, seed=0, skip=0,
+         stalls=0.05, always=None):
     """Drive ``tuner`` for ``steps`` steps; ``rates_at(t, reqs)`` maps arm
-    names to tokens/s. Returns the arm names chosen and the tokens and
-    seconds delivered after the first ``skip`` steps."""
+    names to tokens/s. Every step's time has +-``noise`` jitter, and a
+    fraction ``stalls`` of the steps take 2 to 20 times longer (another
+    process on a busy machine). Returns the arm names chosen and the tokens
+    and seconds delivered after the first ``skip`` steps. ``always``: run that
+    arm every step instead (the oracle, with the same noise and stalls)."""
     rng = random.Random(seed)
     chosen, tokens, seconds = [], 0.0, 0.0
     for t in range(steps):
         reqs = reqs_at(t)
-        arm = tuner.arm(reqs)
+        arm = tuner.arm(reqs) if always is None else always
         rate = rates_at(t, reqs)[arm.name] * (1 + noise * (2 * rng.random() - 1))
         tok = reqs * (1 + (2 if arm.drafts else 0))
         sec = tok / rate
-        tuner.observe(reqs, tok, sec)
+        if rng.random() < stalls:
+            sec *= rng.uniform(2, 20)
+        if always is None:
+            tuner.observe(reqs, tok, sec)
         chosen.append(arm.name)
         if t >= skip:
             tokens += tok
@@ -51,26 +58,33 @@ RATES = {"plain": 100.0, "fixed2": 150.0, "fixed4": 180.0, "fixed8": 200.0, "fix
          "model": 160.0}
 
 
+def _oracle(rates, steps, arm, seed, skip=0):
+    _, tokens, seconds = _run(None, lambda t, r: rates, steps, seed=seed, skip=skip, always=arm)
+    return tokens / seconds
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_finds_the_best_arm_and_stays_close_to_it(seed):
     """Past the cold start (every arm tried once) the delivered rate is
-    within 3 % of always running the best arm; with it, within 5 %."""
-    _, tokens, seconds = _run(RateTuner(16), lambda t, r: RATES, 6000, seed=seed)
-    assert tokens / seconds > 0.95 * RATES["fixed8"]
+    within 3 % of always running the best arm (same noise and stalls); with
+    it, within 6 %."""
+    best = Arm("fixed", 8)
+    _, tokens, seconds = _run(RateTuner(16), lambda t, r: RATES, 8000, seed=seed)
+    assert tokens / seconds > 0.94 * _oracle(RATES, 8000, best, seed)
     tuner = RateTuner(16)
-    chosen, tokens, seconds = _run(tuner, lambda t, r: RATES, 6000, seed=seed, skip=1000)
-    assert tuner.best(4) == Arm("fixed", 8)
-    assert tokens / seconds > 0.97 * RATES["fixed8"]
-    assert chosen[1000:].count("fixed8") / 5000 > 0.7
+    chosen, tokens, seconds = _run(tuner, lambda t, r: RATES, 8000, seed=seed, skip=2000)
+    assert tuner.best(4) == best
+    assert tokens / seconds > 0.97 * _oracle(RATES, 8000, best, seed, skip=2000)
+    assert chosen[2000:].count("fixed8") / 6000 > 0.7
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_plain_wins_when_trees_do_not_pay(seed):
     rates = {k: (300.0 if k == "plain" else v) for k, v in RATES.items()}
     tuner = RateTuner(16)
-    _, tokens, seconds = _run(tuner, lambda t, r: rates, 8000, seed=seed, skip=1000)
+    _, tokens, seconds = _run(tuner, lambda t, r: rates, 16000, seed=seed, skip=4000)
     assert tuner.best(4) == Arm("plain")
-    assert tokens / seconds > 0.97 * 300.0
+    assert tokens / seconds > 0.97 * _oracle(rates, 16000, Arm("plain"), seed, skip=4000)
 
 
 def test_load_changes_keep_their_own_best():
@@ -104,7 +118,7 @@ def test_a_changed_regime_is_noticed():
 
 
 def test_uncounted_steps_and_the_first_step_of_a_trial_are_ignored():
-    tuner = RateTuner(4, trial_seconds=2.0, min_steps=2)
+    tuner = RateTuner(4, trial_seconds=2.0, min_steps=2)  # (median of the counted steps)
     arm = tuner.arm(2)
     tuner.observe(2, 1000.0, 0.001)  # the trial's first step: the old arm's trees
     tuner.observe(2, 1000.0, 0.001, counted=False)  # a prefill step

@@ -23,7 +23,10 @@ Measurement
     the engine's own time between steps, idle gaps excluded). The first step
     of a trial is not counted (it still verifies what the previous arm
     chose), nor are steps that prefill; a batch size that leaves the trial's
-    bucket ends the trial unmeasured. A trial's rate is tokens / seconds.
+    bucket ends the trial unmeasured. A trial's rate is its mean committed
+    tokens per step over its median step time, so that a step stalled by
+    something outside the engine (another process on a busy machine) does not
+    decide.
 
 Choice, per batch-size bucket (powers of two: 1, 2-3, 4-7, ...)
     Each arm keeps a decayed mean of its trials' rates and a discounted
@@ -44,6 +47,7 @@ The tuner holds no tensors and imports nothing from vLLM.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
 __all__ = ["Arm", "RateTuner", "bucket_of", "budget_ladder"]
@@ -102,13 +106,14 @@ class _Trial:
     counted: int = 0
     tokens: float = 0.0
     seconds: float = 0.0
+    step_seconds: list[float] = field(default_factory=list)
 
 
 class RateTuner:
     """Picks, per step, the arm to run (see the module docstring)."""
 
-    def __init__(self, budget: int, trial_seconds: float = 0.25, min_steps: int = 4,
-                 explore: float = 0.08, discount: float = 0.985, decay: float = 0.5,
+    def __init__(self, budget: int, trial_seconds: float = 0.5, min_steps: int = 8,
+                 explore: float = 0.08, discount: float = 0.985, decay: float = 0.25,
                  prune: float = 0.25, with_model: bool = True) -> None:
         if budget < 1:
             raise ValueError(f"RateTuner: budget must be >= 1, got {budget}")
@@ -155,6 +160,7 @@ class RateTuner:
         trial.counted += 1
         trial.tokens += tokens
         trial.seconds += seconds
+        trial.step_seconds.append(seconds)
         if trial.counted >= self.min_steps and trial.seconds >= self.trial_seconds:
             self._close(trial)
             self._trial = None
@@ -183,7 +189,9 @@ class RateTuner:
 
     # ------------------------------------------------------------ internals
     def _close(self, trial: _Trial) -> None:
-        rate = trial.tokens / trial.seconds
+        # tokens per step over the median step time: a step stalled by
+        # something outside the engine (a busy machine) does not decide
+        rate = trial.tokens / trial.counted / statistics.median(trial.step_seconds)
         bucket = self._buckets[trial.bucket]
         for st in bucket.stats.values():
             st.weight *= self.discount

@@ -12,8 +12,6 @@
 
 from __future__ import annotations
 
-import json
-import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -88,16 +86,6 @@ def test_cpu_keeps_vllms_backend_choice(tiny_pair):
     assert _args(target, drafter).create_engine_config().attention_config.backend is None
 
 
-def _variant(tmp_path, target, **changes):
-    """A copy of the tiny target whose config.json has ``changes``."""
-    d = tmp_path / "target"
-    shutil.copytree(target, d)
-    cfg = json.loads((d / "config.json").read_text())
-    cfg.update(changes)
-    (d / "config.json").write_text(json.dumps(cfg))
-    return str(d)
-
-
 @pytest.mark.parametrize("kw,field", [
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
@@ -106,16 +94,6 @@ def test_refused_engine_settings(tiny_pair, kw, field):
     target, drafter = tiny_pair
     with pytest.raises(DDTreeConfigError, match=rf"^{field}:.*dflash"):
         _args(target, drafter, **kw).create_engine_config()
-
-
-@pytest.mark.parametrize("changes,what", [
-    ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0,
-      "layer_types": ["sliding_attention"] * 4}, "sliding-window"),
-])
-def test_refused_targets(tiny_pair, tmp_path, changes, what):
-    target, drafter = tiny_pair
-    with pytest.raises(DDTreeConfigError, match=rf"^model:.*{what}.*dflash"):
-        _args(_variant(tmp_path, target, **changes), drafter).create_engine_config()
 
 
 def _hybrid_model_config(archs=("Qwen3_5ForCausalLM",), **text):
@@ -221,17 +199,22 @@ def test_hybrid_prefix_caching_is_off_by_default_and_refused_when_asked(tiny_hyb
               enable_prefix_caching=True).create_engine_config()
 
 
-def test_more_than_one_target_kv_group_is_refused():
+def test_target_kv_cache_groups():
+    """Each KV-cache group with target layers, and the target layers in it
+    (compaction moves each group's layers by that group's slots)."""
     from vllm_ddtree.core.round import DDTreeSeamError
-    from vllm_ddtree.runner import target_kv_cache_group
+    from vllm_ddtree.runner import target_kv_cache_groups
 
     def cfg(*groups):
         return SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=g) for g in groups])
 
-    target = frozenset({"l0", "l1"})
-    assert target_kv_cache_group(cfg(["d0"], ["l0", "l1"]), target) == 1
-    with pytest.raises(DDTreeSeamError, match="one KV-cache group; this target has 2"):
-        target_kv_cache_group(cfg(["l0"], ["l1"], ["d0"]), target)
+    target = frozenset({"l0", "l1", "l2"})
+    assert target_kv_cache_groups(cfg(["d0"], ["l0", "l1", "l2"]), target) == {
+        1: frozenset({"l0", "l1", "l2"})}
+    assert target_kv_cache_groups(cfg(["l0", "l2"], ["l1"], ["d0"]), target) == {
+        0: frozenset({"l0", "l2"}), 1: frozenset({"l1"})}
+    with pytest.raises(DDTreeSeamError, match="none of the target's attention layers"):
+        target_kv_cache_groups(cfg(["d0"]), target)
 
 
 # ---------------------------------------------------------------------------

@@ -253,3 +253,33 @@ def test_ancestor_sets_and_paths():
         assert all(0 <= p < i for i, p in enumerate(ps) if i > 0)
         for i in range(40):
             assert sum(1 << j for j in root_path(ps, i)) == ancestor_sets(ps)[i]
+
+
+def test_compaction_moves_only_the_named_layers():
+    """Targets whose layers sit in several KV-cache groups are compacted group
+    by group: each call moves the layers of one group by that group's slots."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.core.compaction import KVCapture
+
+    class Impl:
+        def tree_kv_views(self, cache):
+            return cache[0], cache[1]
+
+        def do_kv_cache_update(self, layer, key, value, cache, slots):
+            bs = cache.shape[2]
+            cache[0][slots // bs, slots % bs] = key
+            cache[1][slots // bs, slots % bs] = value
+
+    impl = Impl()
+    caches = {n: torch.arange(2 * 2 * 4 * 3, dtype=torch.float32).view(2, 2, 4, 1, 3) + i
+              for i, n in enumerate(("a", "b"))}
+    before = {n: c.clone() for n, c in caches.items()}
+    cap = KVCapture()
+    cap.start(["a", "b"])
+    for n, c in caches.items():
+        cap.record(impl, SimpleNamespace(layer_name=n), c)
+    cap.stop()
+    assert cap.compact(torch.tensor([6]), torch.tensor([1]), layers=["a"]) == 1
+    assert torch.equal(caches["a"][0][0, 1], before["a"][0][1, 2])  # slot 6 -> slot 1
+    assert torch.equal(caches["b"], before["b"])  # the other group is untouched

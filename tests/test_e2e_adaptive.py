@@ -82,7 +82,7 @@ def test_adaptive_profiled_greedy_identical(plain, tiny_pair, tmp_path):
     # the delivered-rate tuner ran several arms and measured them
     arms = dd["budget_arm_steps"]
     assert sum(v > 0 for v in arms.values()) >= 2, arms
-    assert max(dd["budget_arm_tokens_per_second"].values()) > 0
+    assert max(dd["budget_arm_request_rate"].values()) > 0
 
 
 def test_adaptive_mixed_budgets_greedy_identical(plain, tiny_pair, tmp_path):

@@ -13,14 +13,16 @@ import random
 
 import pytest
 
-from vllm_ddtree.core.tuner import Arm, RateTuner, bucket_of, budget_ladder
+from vllm_ddtree.core.tuner import Arm, RateTuner, bucket_of, bucket_range, budget_ladder
 
 
 def test_ladder_and_buckets():
     assert budget_ladder(64) == [2, 4, 8, 16, 32, 64]
     assert budget_ladder(20) == [2, 4, 8, 16, 20]
     assert budget_ladder(1) == [1]
-    assert [bucket_of(r) for r in (1, 2, 3, 4, 7, 8, 64)] == [0, 1, 1, 2, 2, 3, 6]
+    assert [bucket_of(r) for r in (0, 1, 2, 7, 8, 31, 32, 127, 128, 5000)] == [
+        0, 0, 1, 1, 2, 2, 3, 3, 4, 6]
+    assert [bucket_range(b) for b in (0, 1, 2, 6)] == [(1, 1), (2, 7), (8, 31), (2048, None)]
     names = [a.name for a in RateTuner(16).arms]
     assert names == ["plain", "fixed2", "fixed4", "fixed8", "fixed16", "model"]
     with pytest.raises(ValueError, match="budget"):
@@ -40,7 +42,8 @@ def _run(tuner, rates_at, steps, reqs_at=lambda t: 4, noise=0.05, seed=0, skip=0
     for t in range(steps):
         reqs = reqs_at(t)
         arm = tuner.arm(reqs) if always is None else always
-        rate = rates_at(t, reqs)[arm.name] * (1 + noise * (2 * rng.random() - 1))
+        # rates are per request: a batch of `reqs` delivers `reqs` times as much
+        rate = reqs * rates_at(t, reqs)[arm.name] * (1 + noise * (2 * rng.random() - 1))
         tok = reqs * (1 + (2 if arm.drafts else 0))
         sec = tok / rate
         if rng.random() < stalls:
@@ -125,4 +128,23 @@ def test_uncounted_steps_and_the_first_step_of_a_trial_are_ignored():
     tuner.observe(2, 10.0, 1.0)
     tuner.observe(2, 10.0, 1.0)
     tuner.observe(2, 10.0, 1.0)  # closes the trial
-    assert tuner.rates(2) == {arm.name: pytest.approx(10.0)}
+    assert tuner.rates(2) == {arm.name: pytest.approx(5.0)}  # tokens/s per request
+    with pytest.raises(ValueError, match="tokens and seconds"):
+        tuner.observe(2, -1.0, 1.0)
+
+
+def test_a_moving_batch_still_measures():
+    """The batch size crosses a bucket boundary every 5 steps (requests
+    finishing and arriving), so no trial reaches its full length: trials cut
+    by a bucket change still count once they have a few counted steps, and
+    the batch size's own best arm is found; a request's rate does not depend
+    on how full the bucket is."""
+    def reqs_at(t):
+        return (2 + t % 6) if (t // 5) % 2 else (8 + t % 9)
+
+    rates = dict(RATES, fixed4=260.0)
+    tuner = RateTuner(16, trial_seconds=0.05)
+    _run(tuner, lambda t, r: rates, 20000, reqs_at=reqs_at, stalls=0.0)
+    for reqs in (4, 12):
+        assert tuner.best(reqs) == Arm("fixed", 4)
+        assert tuner.rates(reqs)["fixed4"] == pytest.approx(260.0, rel=0.1)

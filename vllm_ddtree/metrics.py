@@ -31,9 +31,10 @@ metric                                 type       meaning
                                                   delivered-rate tuner (label
                                                   ``arm``: plain, fixed2, ...,
                                                   model)
-``vllm:ddtree_budget_arm_tokens_per_second`` gauge  each arm's measured
-                                                  tokens/s at the batch size
-                                                  measured last (label ``arm``)
+``vllm:ddtree_budget_arm_request_rate`` gauge  each arm's measured
+                                                  tokens/s per request at the
+                                                  batch size measured last
+                                                  (label ``arm``)
 =====================================  =========  ===============================
 
 Counters carry the ``_total`` suffix on the wire. Acceptance length over a
@@ -105,7 +106,7 @@ class DDTreeStatLogger(AggregateStatLoggerBase):
             "vllm:ddtree_accepted_depth", "vllm:ddtree_acceptance_length",
             "vllm:ddtree_expected_acceptance_length", "vllm:ddtree_budget_nodes_per_step",
             "vllm:ddtree_budget_calibration", "vllm:ddtree_budget_cost_seconds",
-            "vllm:ddtree_budget_arm_steps", "vllm:ddtree_budget_arm_tokens_per_second"]
+            "vllm:ddtree_budget_arm_steps", "vllm:ddtree_budget_arm_request_rate"]
         _unregister(names)
         self.counters = {}
         for name, attr, doc in _COUNTERS:
@@ -158,9 +159,9 @@ class DDTreeStatLogger(AggregateStatLoggerBase):
         self.arm_steps = {i: [arm_steps.labels(*values[i], n) for n in self.arm_names]
                           for i in self.engine_indexes}
         self.arm_rate = labelled_gauges(
-            "vllm:ddtree_budget_arm_tokens_per_second",
-            "DDTree adaptive budget: each arm's measured output tokens per second at the "
-            "batch size measured last (0: not measured there yet).",
+            "vllm:ddtree_budget_arm_request_rate",
+            "DDTree adaptive budget: each arm's measured output tokens per second per "
+            "request at the batch size measured last (0: not measured there yet).",
             "arm", self.arm_names)
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):

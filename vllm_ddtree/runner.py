@@ -67,7 +67,7 @@ from vllm_ddtree.core.stats import CounterWriter, stats_file
 from vllm_ddtree.structured import DDTreeDraftTokenIds
 from vllm_ddtree.core.tree import process_logits
 from vllm_ddtree.core.tree_info import TreeStepBuffers
-from vllm_ddtree.core.tuner import Arm, RateTuner
+from vllm_ddtree.core.tuner import RateTuner, bucket_of, bucket_range
 
 logger = init_logger("vllm.ddtree")
 
@@ -656,14 +656,16 @@ class DDTreeRunnerMixin:
         best = self.ddtree_tuner.best(num_reqs)
         if best is None:
             return
-        bucket = max(num_reqs, 1).bit_length() - 1
+        bucket = bucket_of(num_reqs)
         if self.ddtree_best.get(bucket) == best.name:
             return
         self.ddtree_best[bucket] = best.name
         rates = self.ddtree_tuner.rates(num_reqs)
-        logger.info("DDTree adaptive budget: at %d-%d requests %s delivers the most (%s)",
-                    2 ** bucket, 2 ** (bucket + 1) - 1, best.name,
-                    ", ".join(f"{n} {r:.0f} tok/s" for n, r in
+        lo, hi = bucket_range(bucket)
+        logger.info("DDTree adaptive budget: at %s requests %s delivers the most (%s)",
+                    f"{lo}-{hi}" if hi is not None and hi > lo else f"{lo}" if hi else f"{lo}+",
+                    best.name,
+                    ", ".join(f"{n} {r:.1f} tok/s per request" for n, r in
                               sorted(rates.items(), key=lambda kv: -kv[1])))
 
     def _ddtree_start_policy(self) -> None:

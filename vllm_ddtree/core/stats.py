@@ -47,8 +47,8 @@ The adaptive budget adds, per decision (one per drafting or skipped step):
   step, a tree step with the chosen nodes, the drafter's share, one more node);
 * ``arm_steps[k]``: decisions that ran the delivered-rate tuner's arm ``k``
   (``core.tuner.RateTuner.arms`` order: plain, fixed 2, 4, ..., fixed B,
-  model); gauge ``arm_rate[k]``: the arm's measured tokens/s at the batch
-  size of the last measurement (0: not measured there).
+  model); gauge ``arm_rate[k]``: the arm's measured tokens/s per request at
+  the batch size of the last measurement (0: not measured there).
 """
 
 from __future__ import annotations

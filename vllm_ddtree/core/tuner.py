@@ -22,18 +22,21 @@ Measurement
     reports every step's committed tokens and its seconds (runner time plus
     the engine's own time between steps, idle gaps excluded). The first step
     of a trial is not counted (it still verifies what the previous arm
-    chose), nor are steps that prefill; a batch size that leaves the trial's
-    bucket ends the trial unmeasured. A trial's rate is its mean committed
-    tokens per step over its median step time, so that a step stalled by
-    something outside the engine (another process on a busy machine) does not
-    decide.
+    chose), nor are steps that prefill. A trial's rate is its mean committed
+    tokens per request per step over its median step time (tokens per second
+    per request, so that a batch that shrinks inside a bucket as requests
+    finish does not favour the arm that ran first; the median, so that a step
+    stalled by another process on a busy machine does not decide). When the
+    batch size leaves the trial's bucket (requests finish, others arrive) the
+    trial ends there and counts if it has ``min_close`` counted steps.
 
-Choice, per batch-size bucket (powers of two: 1, 2-3, 4-7, ...)
+Choice, per batch-size bucket (1, 2-7, 8-31, 32-127, ...)
     Each arm keeps a decayed mean of its trials' rates and a discounted
     count of its trials (every trial multiplies all counts by ``discount``).
     A new bucket first tries the arms once each, middle of the budget ladder
-    outwards (an arm whose ladder neighbours both measured more than
-    ``prune`` below the best is skipped). Then every trial runs the arm with
+    outwards (a fixed arm whose fixed neighbours on the ladder both measured
+    more than ``prune`` below the best is skipped; plain and the model are
+    always tried). Then every trial runs the arm with
     the highest upper confidence bound on its rate relative to the best,
     ``rate / best + explore * sqrt(ln N / n)``: the best runs almost always,
     an arm close to it is re-measured now and then, one far below it rarely,
@@ -50,7 +53,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-__all__ = ["Arm", "RateTuner", "bucket_of", "budget_ladder"]
+__all__ = ["Arm", "RateTuner", "bucket_of", "bucket_range", "budget_ladder"]
 
 
 @dataclass(frozen=True)
@@ -79,9 +82,23 @@ def budget_ladder(budget: int) -> list[int]:
     return out
 
 
+# Batch-size buckets start at 1, 2, 8, 32, 128, ... (factors of 4 past 2): a
+# request's rate changes little inside one, and a batch that shrinks as its
+# requests finish crosses few of them.
+_BUCKET_STARTS = (1, 2, 8, 32, 128, 512, 2048)
+
+
 def bucket_of(num_reqs: int) -> int:
-    """The batch-size bucket: floor(log2(R)), so 1 | 2-3 | 4-7 | ..."""
-    return max(int(num_reqs), 1).bit_length() - 1
+    """The batch-size bucket: 1 | 2-7 | 8-31 | 32-127 | 128-511 | ..."""
+    r = max(int(num_reqs), 1)
+    return sum(1 for start in _BUCKET_STARTS[1:] if r >= start)
+
+
+def bucket_range(bucket: int) -> tuple[int, int | None]:
+    """The batch sizes of a bucket (None: no upper end)."""
+    lo = _BUCKET_STARTS[bucket]
+    hi = _BUCKET_STARTS[bucket + 1] - 1 if bucket + 1 < len(_BUCKET_STARTS) else None
+    return lo, hi
 
 
 @dataclass
@@ -104,7 +121,7 @@ class _Trial:
     bucket: int
     steps: int = 0  # reported steps so far (the first is not counted)
     counted: int = 0
-    tokens: float = 0.0
+    per_request: float = 0.0  # sum over counted steps of tokens / requests
     seconds: float = 0.0
     step_seconds: list[float] = field(default_factory=list)
 
@@ -112,9 +129,9 @@ class _Trial:
 class RateTuner:
     """Picks, per step, the arm to run (see the module docstring)."""
 
-    def __init__(self, budget: int, trial_seconds: float = 0.5, min_steps: int = 8,
-                 explore: float = 0.08, discount: float = 0.985, decay: float = 0.25,
-                 prune: float = 0.25, with_model: bool = True) -> None:
+    def __init__(self, budget: int, trial_seconds: float = 0.3, min_steps: int = 8,
+                 min_close: int = 3, explore: float = 0.05, discount: float = 0.985,
+                 decay: float = 0.25, prune: float = 0.25, with_model: bool = True) -> None:
         if budget < 1:
             raise ValueError(f"RateTuner: budget must be >= 1, got {budget}")
         if trial_seconds <= 0 or min_steps < 1:
@@ -122,6 +139,7 @@ class RateTuner:
         self.budget = budget
         self.trial_seconds = trial_seconds
         self.min_steps = min_steps
+        self.min_close = min_close
         self.explore = explore
         self.discount = discount
         self.decay = decay
@@ -140,6 +158,8 @@ class RateTuner:
         trial = self._trial
         if trial is not None and trial.bucket == b:
             return trial.arm
+        if trial is not None:
+            self._end_early(trial)
         arm = self._next_arm(b)
         self._trial = _Trial(arm, b)
         return arm
@@ -148,17 +168,19 @@ class RateTuner:
         """One step of the current trial: its committed tokens and seconds.
         ``counted`` False (a prefill in the step, or nothing decoding) leaves
         the trial's numbers alone."""
+        if tokens < 0 or seconds < 0:
+            raise ValueError("RateTuner.observe: tokens and seconds must be >= 0")
         trial = self._trial
         if trial is None:
             return
         if bucket_of(num_reqs) != trial.bucket:
-            self._trial = None  # the load moved: a new trial in the new bucket
+            self._end_early(trial)
             return
         trial.steps += 1
-        if trial.steps == 1 or not counted or seconds <= 0:
+        if trial.steps == 1 or not counted or seconds <= 0 or num_reqs <= 0:
             return
         trial.counted += 1
-        trial.tokens += tokens
+        trial.per_request += tokens / num_reqs
         trial.seconds += seconds
         trial.step_seconds.append(seconds)
         if trial.counted >= self.min_steps and trial.seconds >= self.trial_seconds:
@@ -174,7 +196,7 @@ class RateTuner:
         return self._by_name[name] if name else None
 
     def rates(self, num_reqs: int) -> dict[str, float]:
-        """Measured rates (tokens/s) of the arms in this bucket."""
+        """Measured rates of the arms in this bucket (tokens/s per request)."""
         bucket = self._buckets.get(bucket_of(num_reqs))
         if bucket is None:
             return {}
@@ -185,13 +207,20 @@ class RateTuner:
         if not self.history:
             return None
         b = self.history[-1][0]
-        return b, self.rates(1 << b)
+        return b, self.rates(bucket_range(b)[0])
 
     # ------------------------------------------------------------ internals
+    def _end_early(self, trial: _Trial) -> None:
+        """The load moved to another bucket: the trial ends here, counted if
+        it has ``min_close`` counted steps; a new one starts in the new bucket."""
+        if trial.counted >= self.min_close:
+            self._close(trial)
+        self._trial = None
+
     def _close(self, trial: _Trial) -> None:
-        # tokens per step over the median step time: a step stalled by
-        # something outside the engine (a busy machine) does not decide
-        rate = trial.tokens / trial.counted / statistics.median(trial.step_seconds)
+        # tokens per request per step over the median step time: a step
+        # stalled by something outside the engine (a busy machine) does not decide
+        rate = trial.per_request / trial.counted / statistics.median(trial.step_seconds)
         bucket = self._buckets[trial.bucket]
         for st in bucket.stats.values():
             st.weight *= self.discount
@@ -250,8 +279,12 @@ class RateTuner:
         return [ladder[j] for j in (i - 1, i + 1) if 0 <= j < len(ladder)]
 
     def _dominated(self, bucket: _Bucket, name: str, best_rate: float) -> bool:
-        """Both ladder neighbours measured and far below the best: skip."""
-        nbrs = self._ladder_neighbours(name)
+        """A fixed arm whose ladder neighbours both measured far below the
+        best: skip it (plain and the model are always tried: plain skips the
+        drafter, so its neighbour on the ladder says little about it)."""
+        if self._by_name[name].kind != "fixed":
+            return False
+        nbrs = [n for n in self._ladder_neighbours(name) if self._by_name[n].kind == "fixed"]
         rates = [bucket.stats[n].rate for n in nbrs
                  if n in bucket.stats and bucket.stats[n].rate is not None]
         return (len(rates) == len(nbrs) and len(rates) > 0

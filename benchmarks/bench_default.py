@@ -9,9 +9,10 @@ for every round, every concurrency ``c`` (``c`` HumanEval prompts at once,
 at least ``--min-tokens`` output tokens per measurement), every arm. The
 arms: plain decoding, the DFlash chain with the same drafter, DDTree at a
 fixed budget of 4, 8, 16, 32 and 64, and DDTree's default (adaptive, at most
-64 nodes). A warm-up pass per concurrency comes first (it also checks that
-every arm's greedy output equals plain decoding's; a mismatch stops the
-run). Because each engine sees the load change from one concurrency to the
+64 nodes). ``--warmup`` passes per concurrency come first, for every arm
+alike (the first also checks that every arm's greedy output equals plain
+decoding's; a mismatch stops the run): the default learns what each arm
+delivers while serving, as a server would over its first seconds. Because each engine sees the load change from one concurrency to the
 next and back (1, 4, 16, 64, 1, ...), the default's adaptation to load is
 part of what is measured.
 
@@ -111,6 +112,10 @@ def run_config(name: str, args) -> dict:
             if bad:
                 raise RuntimeError(f"[{name}] c={c}: greedy outputs of {bad} differ from "
                                    f"plain decoding")
+            for w in range(1, args.warmup):
+                prompts, sampling = workload(c, 100 + w)
+                for a in engines.names:
+                    engines.run(a, prompts, sampling)
         for r in range(args.rounds):
             for c in args.concurrency:
                 prompts, sampling = workload(c, 7 * (r + 1))
@@ -186,6 +191,8 @@ def main() -> int:
     ap.add_argument("--config", nargs="+", default=["dense", "dense_k7", "hybrid", "heavy"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="warm-up passes per concurrency, every arm alike")
     ap.add_argument("--min-tokens", type=int, default=1024,
                     help="output tokens per measurement, at least")
     ap.add_argument("--min-output", type=int, default=64,

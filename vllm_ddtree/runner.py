@@ -739,7 +739,11 @@ class DDTreeRunnerMixin:
             step_s = last["end"] - last["start"] + min(gap, 3 * self.ddtree_gap_s + 2e-3)
             self.ddtree_policy.observe(last["reqs"], last["tokens"], step_s, draft_s)
             if self.ddtree_tuner is not None and "emitted" in last:
-                self.ddtree_tuner.observe(last["reqs"], last["emitted"], step_s,
+                # the whole cycle from this step's start to the next one's: the
+                # engine's work between steps differs between arms (drafts to
+                # schedule and check), and an idle gap, rare under load, is an
+                # outlier the tuner's median ignores
+                self.ddtree_tuner.observe(last["reqs"], last["emitted"], now - last["start"],
                                           counted=last["decoding"])
                 self._ddtree_log_best(last["reqs"])
         total = scheduler_output.total_num_scheduled_tokens

@@ -19,8 +19,9 @@ Measurement
     A *trial* runs one arm at one batch size (requests decoding) for at least
     ``min_steps`` counted steps and ``trial_seconds`` of engine time, so that
     every trial weighs the same in time whatever its steps cost; the runner
-    reports every step's committed tokens and its seconds (runner time plus
-    the engine's own time between steps, idle gaps excluded). The first step
+    reports every step's committed tokens and its seconds (from the step's
+    start to the next step's: the engine's own work between steps differs
+    between arms too). The first step
     of a trial is not counted (it still verifies what the previous arm
     chose), nor are steps that prefill. A trial's rate is its mean committed
     tokens per request per step over its median step time (tokens per second

@@ -11,7 +11,9 @@ Everything else passes through untouched.
 It is also where DDTree configures the rest of the engine, because it runs
 before vLLM builds the attention, scheduler and parallel configs:
 
-* targets and engine settings DDTree cannot serve correctly are refused here,
+* targets and engine settings DDTree cannot serve correctly are refused here
+  (an fp8 KV cache is served on CPU where vLLM's CPU attention serves it,
+  :func:`check_quantized_kv_cache`),
   with an error that names the setting and the alternative
   (:func:`check_engine_args`); hybrid Gated DeltaNet targets get prefix
   caching off and a check that one request's states fit the cache
@@ -38,6 +40,7 @@ from vllm_ddtree.core.config import (
     resolve,
 )
 from vllm_ddtree.attention import CUDA_BACKEND_NAME
+from vllm_ddtree.kernels.fp8 import KV_CACHE_DTYPE_KINDS
 from vllm_ddtree.patches.base import ALL_PLATFORMS, Patch
 from vllm_ddtree.core.stats import new_stats_dir
 
@@ -45,6 +48,9 @@ from vllm_ddtree.core.stats import new_stats_dir
 logger = init_logger("vllm.ddtree")
 
 TREE_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
+# Any multiple of 32 (what CPU_ATTN takes): it only picks among the ISAs,
+# fp8 support depends on the CPU and the head size.
+_CPU_ISA_PROBE_BLOCK = 32
 
 
 def _asks_for_ddtree(args: Any) -> bool:
@@ -181,13 +187,39 @@ def check_engine_args(args: Any, model_config: Any, parallel_config: Any,
         raise _refuse("model", "the target uses ALiBi, which the tree attention kernel does "
                       "not implement", dflash)
     if args.kv_cache_dtype not in TREE_KV_CACHE_DTYPES:
-        raise _refuse("kv_cache_dtype", f"DDTree does not support a quantized KV cache (got "
-                      f"{args.kv_cache_dtype!r}): the tree kernel reads K/V unscaled",
-                      f"Use --kv-cache-dtype auto. {dflash}")
+        check_quantized_kv_cache(args.kv_cache_dtype, model_config, current_platform)
     if args.async_scheduling:
         raise _refuse("async_scheduling", "DDTree needs the tree of step N on the runner "
                       "before step N is scheduled",
                       "Drop --async-scheduling (DDTree turns it off by itself).")
+
+
+def check_quantized_kv_cache(kv_cache_dtype: str, model_config: Any, platform: Any) -> None:
+    """A quantized KV cache: the per-tensor fp8 formats on CPU, where vLLM's
+    own CPU attention serves them (x86 with AVX-512 or AMX, head size a
+    multiple of 32: vLLM's ``_get_attn_isa``); refused otherwise."""
+    dflash = "Use method 'dflash' (the DFlash chain) for this setup."
+    if kv_cache_dtype not in KV_CACHE_DTYPE_KINDS:
+        raise _refuse("kv_cache_dtype", f"DDTree reads unquantized KV caches and the "
+                      f"per-tensor fp8 formats {sorted(KV_CACHE_DTYPE_KINDS)} only (got "
+                      f"{kv_cache_dtype!r})", f"Use --kv-cache-dtype auto or fp8. {dflash}")
+    if platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        try:
+            _get_attn_isa(model_config.dtype, _CPU_ISA_PROBE_BLOCK,
+                          model_config.get_head_size(), kv_cache_dtype)
+        except NotImplementedError as e:
+            raise _refuse("kv_cache_dtype", f"vLLM's CPU attention cannot keep a "
+                          f"{kv_cache_dtype!r} KV cache here: {e}",
+                          "Use --kv-cache-dtype auto on this CPU.") from None
+        return
+    where = "CUDA" if platform.is_cuda() else f"the {platform.device_name} platform"
+    raise _refuse("kv_cache_dtype", f"DDTree serves an fp8 KV cache on CPU only; on {where} "
+                  f"it is not tested (the Triton tree kernel's fp8 path has run only in "
+                  f"Triton's interpreter, and vLLM quantizes the Triton backend's queries to "
+                  f"fp8, which the tree kernel does not read)",
+                  f"Use --kv-cache-dtype auto. {dflash}")
 
 
 def _backend_name(value: Any) -> str | None:

@@ -139,8 +139,9 @@ def check_hybrid_target(args: Any, model_config: Any, budget: int, is_cpu: bool)
 
 
 def check_engine_args(args: Any, model_config: Any, parallel_config: Any,
-                      budget: int = 0) -> None:
-    """Refuse, before any engine process starts, what DDTree would serve wrongly."""
+                      budget: int = 0, drafter_head_size: int | None = None) -> None:
+    """Refuse, before any engine process starts, what DDTree would serve wrongly.
+    ``drafter_head_size``: the drafter's, whose layers share the KV cache dtype."""
     from vllm.platforms import current_platform
 
     dflash = "Use method 'dflash' (the DFlash chain) for this setup."
@@ -187,17 +188,20 @@ def check_engine_args(args: Any, model_config: Any, parallel_config: Any,
         raise _refuse("model", "the target uses ALiBi, which the tree attention kernel does "
                       "not implement", dflash)
     if args.kv_cache_dtype not in TREE_KV_CACHE_DTYPES:
-        check_quantized_kv_cache(args.kv_cache_dtype, model_config, current_platform)
+        check_quantized_kv_cache(args.kv_cache_dtype, model_config, current_platform,
+                                 drafter_head_size)
     if args.async_scheduling:
         raise _refuse("async_scheduling", "DDTree needs the tree of step N on the runner "
                       "before step N is scheduled",
                       "Drop --async-scheduling (DDTree turns it off by itself).")
 
 
-def check_quantized_kv_cache(kv_cache_dtype: str, model_config: Any, platform: Any) -> None:
+def check_quantized_kv_cache(kv_cache_dtype: str, model_config: Any, platform: Any,
+                             drafter_head_size: int | None = None) -> None:
     """A quantized KV cache: the per-tensor fp8 formats on CPU, where vLLM's
-    own CPU attention serves them (x86 with AVX-512 or AMX, head size a
-    multiple of 32: vLLM's ``_get_attn_isa``); refused otherwise."""
+    own CPU attention serves them for the target and the drafter (x86 with
+    AVX-512 or AMX, head sizes multiples of 32: vLLM's ``_get_attn_isa``);
+    refused otherwise."""
     dflash = "Use method 'dflash' (the DFlash chain) for this setup."
     if kv_cache_dtype not in KV_CACHE_DTYPE_KINDS:
         raise _refuse("kv_cache_dtype", f"DDTree reads unquantized KV caches and the "
@@ -206,13 +210,17 @@ def check_quantized_kv_cache(kv_cache_dtype: str, model_config: Any, platform: A
     if platform.is_cpu():
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        try:
-            _get_attn_isa(model_config.dtype, _CPU_ISA_PROBE_BLOCK,
-                          model_config.get_head_size(), kv_cache_dtype)
-        except NotImplementedError as e:
-            raise _refuse("kv_cache_dtype", f"vLLM's CPU attention cannot keep a "
-                          f"{kv_cache_dtype!r} KV cache here: {e}",
-                          "Use --kv-cache-dtype auto on this CPU.") from None
+        heads = {"target": model_config.get_head_size(), "drafter": drafter_head_size}
+        for model, head_size in heads.items():
+            if head_size is None:
+                continue
+            try:
+                _get_attn_isa(model_config.dtype, _CPU_ISA_PROBE_BLOCK, head_size,
+                              kv_cache_dtype)
+            except NotImplementedError as e:
+                raise _refuse("kv_cache_dtype", f"vLLM's CPU attention cannot keep a "
+                              f"{kv_cache_dtype!r} KV cache for the {model} (head size "
+                              f"{head_size}) here: {e}", "Use --kv-cache-dtype auto.") from None
         return
     where = "CUDA" if platform.is_cuda() else f"the {platform.device_name} platform"
     raise _refuse("kv_cache_dtype", f"DDTree serves an fp8 KV cache on CPU only; on {where} "
@@ -259,12 +267,25 @@ def select_target_backend(args: Any, is_cuda: bool) -> None:
         args.attention_backend = AttentionBackendEnum[CUDA_BACKEND_NAME]
 
 
+def drafter_head_size(draft_config: dict[str, Any]) -> int | None:
+    """The head size in a drafter's raw config (``head_dim``, else hidden size
+    over heads); None when it does not say."""
+    head = draft_config.get("head_dim")
+    if isinstance(head, int):
+        return head
+    hidden, heads = draft_config.get("hidden_size"), draft_config.get("num_attention_heads")
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        return hidden // heads
+    return None
+
+
 def _configure_engine(args: Any, model_config: Any, parallel_config: Any,
-                      budget: int) -> None:
+                      budget: int, draft_config: dict[str, Any]) -> None:
     """Engine-wide settings that DDTree needs (documented in docs/design.md)."""
     from vllm.platforms import current_platform
 
-    check_engine_args(args, model_config, parallel_config, budget)
+    check_engine_args(args, model_config, parallel_config, budget,
+                      drafter_head_size(draft_config))
     select_target_backend(args, current_platform.is_cuda())
     args.async_scheduling = False
     # The tree seams live in the V1 model runner (vLLM picks V2 on CUDA by default).
@@ -292,8 +313,10 @@ def _build(original):
             user["model"] = _find_drafter(target_model_config.model)
         cfg, vllm_dict = DDTreeConfig.from_speculative_dict(user)
         # Check the drafter before vLLM does, so a wrong model gets our message.
-        runtime = resolve(cfg, read_drafter_config(vllm_dict["model"], vllm_dict.get("revision")))
-        _configure_engine(self, target_model_config, target_parallel_config, runtime.budget)
+        draft_config = read_drafter_config(vllm_dict["model"], vllm_dict.get("revision"))
+        runtime = resolve(cfg, draft_config)
+        _configure_engine(self, target_model_config, target_parallel_config, runtime.budget,
+                          draft_config)
         self.speculative_config = vllm_dict
         spec = original(self, target_model_config, target_parallel_config)
         # Post-construction attributes are not validated by pydantic and survive

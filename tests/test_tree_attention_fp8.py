@@ -21,7 +21,13 @@ from types import SimpleNamespace  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from test_cpu_tree_backend import MIXED, Step, _sinks, _tree, _with_native  # noqa: E402
-from test_tree_attention_utils import Req, build_batch, path_attention  # noqa: E402
+from test_tree_attention_utils import (  # noqa: E402
+    FP8_TORCH_DTYPES,
+    Req,
+    build_batch,
+    path_attention,
+    quantize_batch,
+)
 from vllm import _custom_ops as ops  # noqa: E402
 from vllm.v1.attention.backends import cpu_attn  # noqa: E402
 
@@ -29,10 +35,7 @@ from vllm_ddtree import attention as dda  # noqa: E402
 from vllm_ddtree.core.compaction import KVCapture  # noqa: E402
 from vllm_ddtree.kernels import cpu_native, fp8  # noqa: E402
 from vllm_ddtree.kernels import tree_attention as ta  # noqa: E402
-from vllm_ddtree.kernels.cache_layout import (  # noqa: E402
-    split_kv_cache_cpu_vec,
-    split_kv_cache_nhd,
-)
+from vllm_ddtree.kernels.cache_layout import split_kv_cache_cpu_vec  # noqa: E402
 from vllm_ddtree.kernels.reference import tree_attention_reference  # noqa: E402
 from vllm_ddtree.kernels.tree_attention_cpu import (  # noqa: E402
     plan_tree_batch,
@@ -40,7 +43,6 @@ from vllm_ddtree.kernels.tree_attention_cpu import (  # noqa: E402
 )
 
 K_SCALE, V_SCALE = 0.37, 1.9
-TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 KINDS = {"fp8": "e4m3", "fp8_e5m2": "e5m2"}  # the --kv-cache-dtype values tested
 
 
@@ -84,7 +86,7 @@ def native():
 def test_decode_is_the_ieee_format_but_e4m3_has_no_nan(kind):
     codes = torch.arange(256, dtype=torch.uint8)
     got = fp8.dequantize(codes, kind)
-    want = codes.view(TORCH_FP8[kind]).float()
+    want = codes.view(FP8_TORCH_DTYPES[kind]).float()
     if kind == "e4m3":
         # float8_e4m3fn reads 0x7F/0xFF as NaN; vLLM's CPU op reads +-480
         assert got[0x7F].item() == 480.0 and got[0xFF].item() == -480.0
@@ -194,26 +196,10 @@ def test_every_code_reads_as_vllms_cpu_op_reads_it(kv_cache_dtype, native):
 
 
 def _fp8_batch(reqs, hq, hkv, hd, bs, kind, layout, seed=0):
-    """``build_batch`` with its cache quantized to fp8 codes (round to nearest
-    with torch's float8 types, per-tensor scales K_SCALE / V_SCALE); the dense
-    ``keys``/``values`` become the dequantized fp64 values."""
+    """A mixed batch whose cache holds fp8 codes (K_SCALE / V_SCALE)."""
     batch = build_batch(reqs, hq, hkv, hd, bs, torch.float32, layout, seed=seed,
                         pad_tokens=2)
-    num_blocks = batch.key_cache.shape[0]
-    if layout == "nhd":
-        raw = torch.zeros(num_blocks, bs, hkv, 2 * hd, dtype=torch.uint8).permute(0, 2, 1, 3)
-        k_u8, v_u8 = split_kv_cache_nhd(raw, hd)
-    else:
-        raw = torch.zeros(num_blocks, hkv, bs, 2 * hd, dtype=torch.uint8)
-        k_u8, v_u8 = split_kv_cache_cpu_vec(raw)
-    # never-written slots hold NaN in the float cache: NaN codes here
-    f8 = TORCH_FP8[kind]
-    k_u8.copy_((batch.key_cache / K_SCALE).to(f8).view(torch.uint8))
-    v_u8.copy_((batch.value_cache / V_SCALE).to(f8).view(torch.uint8))
-    batch.kv_cache, batch.key_cache, batch.value_cache = raw, k_u8, v_u8
-    batch.keys = [(k / K_SCALE).to(f8).double() * K_SCALE for k in batch.keys]
-    batch.values = [(v / V_SCALE).to(f8).double() * V_SCALE for v in batch.values]
-    return batch
+    return quantize_batch(batch, layout, kind, K_SCALE, V_SCALE)
 
 
 FP8_CASE = [Req(40, 8, _tree(8, 1)), Req(33, 1), Req(0, 9, _tree(9, 2)),
@@ -250,11 +236,10 @@ def test_reference_is_dequantize_then_dense_attention(kind):
 
 
 @pytest.mark.parametrize("kind", ["e4m3", "e5m2"])
-@pytest.mark.parametrize("path", ["batched", "native", "triton-vec", "triton-nhd"])
+@pytest.mark.parametrize("path", ["batched", "native", "triton"])
 @pytest.mark.parametrize("window", [None, 5])
 def test_kernels_match_the_reference(kind, path, window, native):
-    layout = "nhd" if path == "triton-nhd" else "cpu_vec"
-    batch = _fp8_batch(FP8_CASE, 8, 2, 32, 16, kind, layout, seed=5)
+    batch = _fp8_batch(FP8_CASE, 8, 2, 32, 16, kind, "cpu_vec", seed=5)
     sinks = _sinks(8, 3) if window else None
     quant = dict(kv_quant=kind, k_scale=K_SCALE, v_scale=V_SCALE)
     extra = dict(sliding_window=window, sinks=sinks, depth=batch.depth)
@@ -280,19 +265,6 @@ def test_kernels_match_the_reference(kind, path, window, native):
     ref = tree_attention_reference(*batch.args(), **extra, **quant)
     torch.testing.assert_close(out[rows], ref[rows], atol=2e-5, rtol=2e-5)
     assert torch.equal(out[~rows], sentinel[~rows])
-
-
-def test_triton_reads_fp8_with_fp16_and_bf16_queries():
-    # Decoded values are exact in the query dtype, so only the attention's own
-    # rounding separates these from the fp32 reference.
-    batch = _fp8_batch(FP8_CASE, 4, 2, 32, 16, "e4m3", "nhd", seed=7)
-    quant = dict(kv_quant="e4m3", k_scale=K_SCALE, v_scale=V_SCALE)
-    ref = tree_attention_reference(*batch.args(), **quant)
-    n = int(batch.query_start_loc[-1])  # the rest are padding rows
-    for dtype, tol in ((torch.float16, 2e-3), (torch.bfloat16, 2e-2)):
-        args = (batch.query.to(dtype),) + batch.args()[1:]
-        out = ta.tree_attention(*args, **quant)
-        torch.testing.assert_close(out[:n].float(), ref[:n], atol=tol, rtol=tol)
 
 
 def test_kernels_refuse_mismatched_quantization_arguments(native):

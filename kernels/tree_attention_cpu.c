@@ -430,9 +430,10 @@ int ddtree_build_tree(const float *lp, int64_t batch, int64_t num_levels, int64_
 /* ------------------------------------------------------------------------
  * KV compaction on CPU: copy the K/V of cache slots src[i] to dst[i] in
  * each of `num_layers` caches in the "vec" layout (element size 1, 2 or 4
- * bytes: an fp8 cache's codes move as they are, never re-quantized). Every source of a layer is read before any destination of it is
- * written, so overlapping moves are safe. Slots are block * block_size +
- * offset, as in vLLM's slot mapping.
+ * bytes: an fp8 cache's codes move as they are, never re-quantized). Every
+ * source of a layer is read before any destination of it is written, so
+ * overlapping moves are safe. Slots are block * block_size + offset, as in
+ * vLLM's slot mapping.
  * ---------------------------------------------------------------------- */
 int ddtree_move_slots(void *const *caches, int64_t num_layers, int64_t elem_size,
                       int64_t num_blocks, int64_t num_kv_heads, int64_t block_size,

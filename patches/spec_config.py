@@ -39,7 +39,7 @@ from vllm_ddtree.core.config import (
     read_drafter_config,
     resolve,
 )
-from vllm_ddtree.attention import CUDA_BACKEND_NAME
+from vllm_ddtree.attention import CUDA_BACKEND_NAME, UNQUANTIZED_TREE_KV_CACHE_DTYPES
 from vllm_ddtree.kernels.fp8 import KV_CACHE_DTYPE_KINDS
 from vllm_ddtree.patches.base import ALL_PLATFORMS, Patch
 from vllm_ddtree.core.stats import new_stats_dir
@@ -47,7 +47,6 @@ from vllm_ddtree.core.stats import new_stats_dir
 
 logger = init_logger("vllm.ddtree")
 
-TREE_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
 # Any multiple of 32 (what CPU_ATTN takes): it only picks among the ISAs,
 # fp8 support depends on the CPU and the head size.
 _CPU_ISA_PROBE_BLOCK = 32
@@ -187,7 +186,7 @@ def check_engine_args(args: Any, model_config: Any, parallel_config: Any,
     if model_config.uses_alibi:
         raise _refuse("model", "the target uses ALiBi, which the tree attention kernel does "
                       "not implement", dflash)
-    if args.kv_cache_dtype not in TREE_KV_CACHE_DTYPES:
+    if args.kv_cache_dtype not in UNQUANTIZED_TREE_KV_CACHE_DTYPES:
         check_quantized_kv_cache(args.kv_cache_dtype, model_config, current_platform,
                                  drafter_head_size)
     if args.async_scheduling:

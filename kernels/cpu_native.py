@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_ddtree.kernels.fp8 import check_kv_quant
 from vllm_ddtree.kernels.reference import check_sinks, check_sliding_window
 
 __all__ = ["ENV_CACHE", "ENV_DISABLE", "NativeKernels", "build_tree_native", "load",
@@ -40,6 +41,7 @@ ENV_DISABLE = "VLLM_DDTREE_NO_NATIVE"
 SOURCE = Path(__file__).with_name("tree_attention_cpu.c")
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=gnu11"]
 KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+FP8_KV_CODES = {"e4m3": 2, "e5m2": 3}  # uint8 caches, by kv_quant
 
 logger = logging.getLogger("vllm.ddtree")
 
@@ -69,8 +71,9 @@ class NativeKernels:
         lib = ctypes.CDLL(str(path))
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
         attn = lib.ddtree_tree_attention
+        f32 = ctypes.c_float
         attn.argtypes = [p, i64, i64, p, i32, i64, i64, i64, p, i64, p, p, p, i64, p, i64, i64,
-                         ctypes.c_float, i64, p, p, p, i64, i64]
+                         f32, f32, f32, i64, p, p, p, i64, i64]
         attn.restype = ctypes.c_int
         build = lib.ddtree_build_tree
         build.argtypes = [p, i64, i64, i64, i64, p, p, p, p, p, p]
@@ -146,12 +149,17 @@ def tree_attention_native(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
     depth: torch.Tensor | None = None,
+    kv_quant: str | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Write the rows of the requests ``tree_reqs`` (int64) of ``output``.
 
     ``query``/``output``: ``[num_tokens, Hq, D]`` float32 with a unit stride
     in D; ``kv_cache``: one layer's contiguous "vec" cache ``[num_blocks, Hk,
-    block_size, 2 * D]`` (float32 or bfloat16); ``block_table`` ``[R, *]``,
+    block_size, 2 * D]`` (float32 or bfloat16, or uint8 fp8 codes with
+    ``kv_quant`` "e4m3" or "e5m2" and the per-tensor ``k_scale``/``v_scale``,
+    see ``kernels/fp8.py``); ``block_table`` ``[R, *]``,
     ``query_start_loc`` ``[R + 1]`` and ``seq_lens`` ``[R]`` int32;
     ``tree_mask`` ``[num_tokens, W]`` int32, contiguous. ``sliding_window``
     (None or -1: none), ``sinks`` (float ``[Hq]``, any float dtype) and
@@ -169,9 +177,10 @@ def tree_attention_native(
         if t.dtype != dtype or t.device.type != "cpu":
             raise TypeError(f"tree_attention_native: {name} must be a CPU {dtype} tensor, "
                             f"got {t.dtype} on {t.device}")
-    if kv_cache.dtype not in KV_DTYPES or not kv_cache.is_contiguous():
-        raise TypeError(f"tree_attention_native: kv_cache must be a contiguous float32 or "
-                        f"bfloat16 tensor, got {kv_cache.dtype}")
+    check_kv_quant(kv_quant, k_scale, v_scale, kv_cache.dtype)
+    if (kv_quant is None and kv_cache.dtype not in KV_DTYPES) or not kv_cache.is_contiguous():
+        raise TypeError(f"tree_attention_native: kv_cache must be a contiguous float32, "
+                        f"bfloat16 or uint8 (fp8 codes) tensor, got {kv_cache.dtype}")
     if query.stride(2) != 1 or output.stride(2) != 1 or query.shape[2] != head_size:
         raise ValueError("tree_attention_native: query/output must be [tokens, heads, "
                          f"{head_size}] with a unit stride in the last dimension")
@@ -195,10 +204,13 @@ def tree_attention_native(
     sinks32 = None if sinks is None else sinks.to(torch.float32).contiguous()
     status = lib.attention(
         _ptr(query), query.stride(0), query.stride(1),
-        _ptr(kv_cache), KV_DTYPES[kv_cache.dtype], num_kv_heads, block_size, head_size,
+        _ptr(kv_cache),
+        KV_DTYPES[kv_cache.dtype] if kv_quant is None else FP8_KV_CODES[kv_quant],
+        num_kv_heads, block_size, head_size,
         _ptr(block_table), block_table.stride(0),
         _ptr(query_start_loc), _ptr(seq_lens), _ptr(tree_reqs), tree_reqs.numel(),
-        _ptr(tree_mask), tree_mask.shape[1], query.shape[1], float(scale),
+        _ptr(tree_mask), tree_mask.shape[1], query.shape[1], float(scale), float(k_scale),
+        float(v_scale),
         window or 0, None if window is None else _ptr(depth),
         None if sinks32 is None else _ptr(sinks32),
         _ptr(output), output.stride(0), output.stride(1),
@@ -246,16 +258,17 @@ def move_slots_native(lib: NativeKernels, caches: list[torch.Tensor], src_slots:
                       dst_slots: torch.Tensor) -> None:
     """Copy the K/V at cache slots ``src_slots`` to ``dst_slots`` in every
     cache of ``caches`` (each one layer's contiguous "vec" cache ``[num_blocks,
-    Hk, block_size, 2 * D]``, all of one shape and dtype). All sources of a
-    layer are read before any destination is written."""
+    Hk, block_size, 2 * D]``, all of one shape and dtype: 1-, 2- or 4-byte
+    elements, so an fp8 cache's codes move as bytes). All sources of a layer
+    are read before any destination is written."""
     if not caches:
         return
     first = caches[0]
     for c in caches:
         if (c.shape != first.shape or c.dtype != first.dtype or not c.is_contiguous()
-                or c.device.type != "cpu" or c.element_size() not in (2, 4)):
+                or c.device.type != "cpu" or c.element_size() not in (1, 2, 4)):
             raise TypeError("move_slots_native: caches must be contiguous CPU tensors of one "
-                            "shape and a 2- or 4-byte dtype")
+                            "shape and a 1-, 2- or 4-byte dtype")
     num_blocks, num_kv_heads, block_size, two_d = first.shape
     src = src_slots.to(torch.int64).contiguous()
     dst = dst_slots.to(torch.int64).contiguous()

@@ -73,6 +73,16 @@ Both implementations take ``key_cache``/``value_cache`` as logical
 ``[num_blocks, block_size, num_kv_heads, head_size]`` tensors with arbitrary
 strides, so one code path reads several physical layouts
 (``cache_layout.py`` builds such views from vLLM's per-layer cache tensor).
+
+fp8 caches
+----------
+With ``kv_quant`` ("e4m3" or "e5m2") the views hold ``uint8`` fp8 codes and
+attention runs over ``K = decode(code) * k_scale`` and ``V = decode(code) *
+v_scale`` (per-tensor scales, the layer's ``_k_scale_float`` /
+``_v_scale_float``); ``kernels/fp8.py`` defines the decode, the one vLLM
+0.32's CPU attention op applies. This reference dequantizes first and then
+attends; the kernels fold the scales into the logits and the output, as that
+op does.
 """
 
 from __future__ import annotations
@@ -81,6 +91,8 @@ import numbers
 
 import torch
 import torch.nn.functional as F
+
+from vllm_ddtree.kernels.fp8 import check_kv_quant, dequantize
 
 __all__ = ["check_sinks", "check_sliding_window", "tree_attention_reference",
            "unpack_tree_mask"]
@@ -148,6 +160,9 @@ def tree_attention_reference(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
     depth: torch.Tensor | None = None,
+    kv_quant: str | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention for a ragged batch with optional tree requests.
 
@@ -169,6 +184,8 @@ def tree_attention_reference(
         sinks: float ``[num_q_heads]`` sink logits, or None.
         depth: int32 ``[num_tokens]`` node depth of every tree row; needed
             with a window when there are tree requests.
+        kv_quant: None, or the fp8 kind ("e4m3", "e5m2") of ``uint8`` caches.
+        k_scale, v_scale: the per-tensor scales of an fp8 cache.
 
     Returns:
         ``output`` (allocated with ``query``'s dtype when not given).
@@ -193,6 +210,10 @@ def tree_attention_reference(
     group = num_q_heads // num_kv_heads
     window = check_sliding_window(sliding_window)
     check_sinks(sinks, num_q_heads, query.device)
+    check_kv_quant(kv_quant, k_scale, v_scale, key_cache.dtype)
+    if value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"value_cache: dtype {value_cache.dtype} differs from key_cache "
+                         f"{key_cache.dtype}")
 
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -223,6 +244,9 @@ def tree_attention_reference(
             )
         k = _gather_request_kv(key_cache, block_table[r], seq_len)
         v = _gather_request_kv(value_cache, block_table[r], seq_len)
+        if kv_quant is not None:
+            k = dequantize(k, kv_quant) * k_scale
+            v = dequantize(v, kv_quant) * v_scale
 
         pos = torch.arange(seq_len, device=query.device)
         if r in tree_set:

@@ -23,6 +23,14 @@ window. Tiles below every row's window are not read. A sink seeds the online
 softmax (running max = the sink, running sum = 1). The grid is sized from
 shapes only (no host sync).
 
+An fp8 cache (``kv_quant``: ``uint8`` codes, ``kernels/fp8.py``) is decoded
+in registers with integer operations and a bitcast to half (exact; the same
+values on a GPU and in the interpreter, whose own fp8 casts differ from the
+hardware's at the NaN codes), then cast to the query dtype (exact too: every
+fp8 value is representable in fp16 and bf16). ``k_scale`` joins the softmax
+scale of the logits and ``v_scale`` multiplies the output, as in vLLM's CPU
+attention op.
+
 fp32 inputs use IEEE fp32 dot products (no TF32). On a machine without a GPU
 the kernel runs in Triton's interpreter, which must be enabled with
 ``TRITON_INTERPRET=1`` before this module is imported (``INTERPRETED`` records
@@ -38,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_ddtree.kernels.fp8 import check_kv_quant
 from vllm_ddtree.kernels.reference import check_sinks, check_sliding_window
 
 __all__ = [
@@ -52,6 +61,20 @@ INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
+_KV_FP8 = {None: 0, "e4m3": 1, "e5m2": 2}  # the KV_FP8 constexpr, by kv_quant
+
+
+@triton.jit
+def _fp8_to_f32(code, KV_FP8: tl.constexpr):
+    """fp32 values of uint8 fp8 codes (``kernels/fp8.py``). e4m3: the sign and
+    the 7 low bits placed in a half, whose exponent bias is 15 instead of 7,
+    times 2**8; e5m2: the high byte of a half."""
+    c = code.to(tl.uint16)
+    if KV_FP8 == 1:
+        half = ((c & 0x80) << 8) | ((c & 0x7F) << 7)
+        return half.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    else:
+        return (c << 8).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -99,6 +122,7 @@ def _attend_tile(
     HAS_TREE: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     pos = start + tl.arange(0, BLOCK_N)
     in_range = pos < kv_end
@@ -123,6 +147,9 @@ def _attend_tile(
         mask=in_range[:, None] & d_valid[None, :],
         other=0.0,
     )
+    if KV_FP8 != 0:
+        k = _fp8_to_f32(k, KV_FP8).to(q.dtype)
+        v = _fp8_to_f32(v, KV_FP8).to(q.dtype)
     if USE_WINDOW and MASKED:
         # Keys below v_lo are outside every row's window; their blocks may
         # have been freed and hold anything, which a zero weight would not
@@ -192,6 +219,7 @@ def _tree_attention_kernel(
     depth_ptr,
     sinks_ptr,
     qk_scale,
+    v_scale,
     window,
     num_reqs,
     mask_words,
@@ -225,6 +253,7 @@ def _tree_attention_kernel(
     USE_WINDOW: tl.constexpr,
     USE_SINKS: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # Program (tile, kv_head). Request r owns tiles starting at
     # query_start_loc[r] // BLOCK_Q + r, which bounds its tile count from
@@ -327,7 +356,7 @@ def _tree_attention_kernel(
             stride_k_b, stride_k_t, stride_k_h, stride_k_d,
             stride_v_b, stride_v_t, stride_v_h, stride_v_d,
             stride_m_t, stride_m_w, stride_d, mask_words,
-            BLOCK_N, PAGE_SIZE, True, HAS_TREE, USE_WINDOW, DOT_FP32,
+            BLOCK_N, PAGE_SIZE, True, HAS_TREE, USE_WINDOW, DOT_FP32, KV_FP8,
         )  # fmt: skip
     for start in range(mid, hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
@@ -337,7 +366,7 @@ def _tree_attention_kernel(
             stride_k_b, stride_k_t, stride_k_h, stride_k_d,
             stride_v_b, stride_v_t, stride_v_h, stride_v_d,
             stride_m_t, stride_m_w, stride_d, mask_words,
-            BLOCK_N, PAGE_SIZE, False, HAS_TREE, USE_WINDOW, DOT_FP32,
+            BLOCK_N, PAGE_SIZE, False, HAS_TREE, USE_WINDOW, DOT_FP32, KV_FP8,
         )  # fmt: skip
     for start in range(hi, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
@@ -347,11 +376,13 @@ def _tree_attention_kernel(
             stride_k_b, stride_k_t, stride_k_h, stride_k_d,
             stride_v_b, stride_v_t, stride_v_h, stride_v_d,
             stride_m_t, stride_m_w, stride_d, mask_words,
-            BLOCK_N, PAGE_SIZE, True, HAS_TREE, USE_WINDOW, DOT_FP32,
+            BLOCK_N, PAGE_SIZE, True, HAS_TREE, USE_WINDOW, DOT_FP32, KV_FP8,
         )  # fmt: skip
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
+    if KV_FP8 != 0:
+        out = out * v_scale
     tl.store(
         out_ptr
         + tok[:, None] * stride_o_t
@@ -393,6 +424,7 @@ def kernel_constexprs(
     max_query_len: int | None = None,
     use_window: bool = False,
     use_sinks: bool = False,
+    kv_quant: str | None = None,
 ) -> dict:
     """The compile-time parameters of one launch."""
     block_m, block_q, block_n = select_tile_sizes(
@@ -411,6 +443,7 @@ def kernel_constexprs(
         USE_WINDOW=use_window,
         USE_SINKS=use_sinks,
         DOT_FP32=_dot_in_fp32(dtype),
+        KV_FP8=_KV_FP8[kv_quant],
     )
 
 
@@ -444,6 +477,7 @@ def check_tree_attention_args(*args, **kwargs) -> None:
     tree_mask, is_tree, output = a["tree_mask"], a["is_tree"], a["output"]
     tree_only, max_query_len = a["tree_only"], a["max_query_len"]
     sinks, depth = a["sinks"], a["depth"]
+    kv_quant = a["kv_quant"]
     _check(
         query.dtype in _SUPPORTED_DTYPES,
         f"query: dtype {query.dtype} not supported (fp16, bf16, fp32)",
@@ -454,10 +488,13 @@ def check_tree_attention_args(*args, **kwargs) -> None:
         f"{tuple(query.shape)}",
     )
     num_tokens, num_q_heads, head_size = query.shape
+    check_kv_quant(kv_quant, a["k_scale"], a["v_scale"], key_cache.dtype)
+    cache_dtype = query.dtype if kv_quant is None else torch.uint8
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         _check(
-            cache.dtype == query.dtype,
-            f"{name}: dtype {cache.dtype} differs from query dtype {query.dtype}",
+            cache.dtype == cache_dtype,
+            f"{name}: dtype {cache.dtype}, expected {cache_dtype} (the query dtype, or "
+            f"uint8 fp8 codes with kv_quant)",
         )
         _check(
             cache.dim() == 4,
@@ -596,6 +633,9 @@ def tree_attention(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
     depth: torch.Tensor | None = None,
+    kv_quant: str | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Launch the tree-attention kernel (no host sync, no autotuning, no
     argument checks: see :func:`check_tree_attention_args`).
@@ -608,7 +648,9 @@ def tree_attention(
     int; None or -1: none), ``sinks`` (float ``[num_q_heads]``) and ``depth``
     (int32 ``[num_tokens]``, read only with a window and tree requests) as
     in the reference. With a window, tiles of keys outside every window of
-    a query tile are skipped.
+    a query tile are skipped. ``kv_quant`` (None, "e4m3" or "e5m2") with
+    host floats ``k_scale``/``v_scale``: the caches hold ``uint8`` fp8 codes
+    and these per-tensor scales.
     """
     num_tokens, num_q_heads, head_size = query.shape
     num_reqs = seq_lens.shape[0]
@@ -644,6 +686,7 @@ def tree_attention(
         max_query_len,
         use_window,
         sinks is not None,
+        kv_quant,
     )
     grid = (num_tokens // consts["BLOCK_Q"] + num_reqs, num_kv_heads)
     if num_reqs == 0 or num_tokens == 0:
@@ -661,7 +704,8 @@ def tree_attention(
         is_tree_arg,
         depth_arg,
         sinks if sinks is not None else query,
-        float(scale) * _LOG2E,
+        float(scale) * _LOG2E if kv_quant is None else float(scale) * k_scale * _LOG2E,
+        float(v_scale),
         window if use_window else 0,
         num_reqs,
         mask_words,

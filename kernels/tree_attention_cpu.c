@@ -19,6 +19,12 @@
  * ([head_size][block_size], token fastest), the next are V
  * ([block_size][head_size]).
  *
+ * fp8 caches (kv_dtype 2 = e4m3, 3 = e5m2; one byte per element, see
+ * kernels/fp8.py) are decoded exactly to fp32 through a 256-entry table as
+ * each block is read. As vLLM's CPU attention op does, the per-tensor scales
+ * stay outside the dot products: the logits are (q . k) * scale * k_scale
+ * (the query unscaled) and the output is (sum p v) * v_scale / sum p.
+ *
  * One task per (tree request, kv head): every query row of the request
  * that reads this kv head (all grouped query heads) walks the request's
  * blocks once with an online softmax in fp32, so each cache block is read
@@ -35,6 +41,25 @@ static inline float bf16_to_f32(uint16_t x) {
   float f;
   memcpy(&f, &u, sizeof f);
   return f;
+}
+
+/* The value of every fp8 code. e4m3: bias 7, subnormals m * 2^-9, no
+ * inf/NaN (0x7F reads as 480, as in vLLM's CPU op); e5m2: the high byte of
+ * an IEEE half. */
+static void fp8_table(int e5m2, float *t) {
+  for (int c = 0; c < 256; ++c) {
+    const float sign = (c & 0x80) ? -1.f : 1.f;
+    float mag;
+    if (!e5m2) {
+      const int e = (c >> 3) & 15, m = c & 7;
+      mag = e ? ldexpf((float)(8 + m), e - 10) : ldexpf((float)m, -9);
+    } else {
+      const int e = (c >> 2) & 31, m = c & 3;
+      mag = e == 31 ? (m ? NAN : INFINITY)
+                    : e ? ldexpf((float)(4 + m), e - 17) : ldexpf((float)m, -16);
+    }
+    t[c] = sign * mag;
+  }
 }
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -74,7 +99,8 @@ static inline v8f exp_nonpos8(v8f x) {
   return select8(dead, zero, p * (v8f)bits);
 }
 
-/* kv_dtype: 0 = float32, 1 = bfloat16. query/out: float32 with the given
+/* kv_dtype: 0 = float32, 1 = bfloat16, 2 = fp8 e4m3, 3 = fp8 e5m2 (k_scale
+ * and v_scale are read for fp8 only). query/out: float32 with the given
  * element strides. head_size must be a multiple of 8 and block_size of 8.
  * Returns 0, or a negative value on bad arguments. */
 int ddtree_tree_attention(
@@ -83,12 +109,22 @@ int ddtree_tree_attention(
     int64_t head_size, const int32_t *block_table, int64_t bt_stride,
     const int32_t *query_start_loc, const int32_t *seq_lens, const int64_t *tree_reqs,
     int64_t num_tree_reqs, const int32_t *mask, int64_t mask_words, int64_t num_q_heads,
-    float scale, int64_t window, const int32_t *depth, const float *sinks, float *out,
-    int64_t o_stride_tok, int64_t o_stride_head) {
+    float scale, float k_scale, float v_scale, int64_t window, const int32_t *depth,
+    const float *sinks, float *out, int64_t o_stride_tok, int64_t o_stride_head) {
   if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0 || block_size <= 0 ||
-      block_size % 8 != 0 || head_size <= 0 || head_size % 8 != 0 ||
-      (kv_dtype != 0 && kv_dtype != 1) || window < 0 || (window > 0 && !depth))
+      block_size % 8 != 0 || head_size <= 0 || head_size % 8 != 0 || kv_dtype < 0 ||
+      kv_dtype > 3 || window < 0 || (window > 0 && !depth))
     return -1;
+  const int fp8 = kv_dtype >= 2;
+  float lut[256];
+  if (fp8) fp8_table(kv_dtype == 3, lut);
+  /* unquantized: the query carries the softmax scale; fp8: the logits get
+   * scale * k_scale after the dot product and the output v_scale */
+  const float q_scale = fp8 ? 1.f : scale;
+  const float logit_scale = scale * k_scale;
+  const v8f logit_scale8 = {logit_scale, logit_scale, logit_scale, logit_scale,
+                            logit_scale, logit_scale, logit_scale, logit_scale};
+  const float out_scale = fp8 ? v_scale : 1.f;
   const int64_t group = num_q_heads / num_kv_heads;
   const int64_t D = head_size, BS = block_size;
   const int64_t block_elems = BS * 2 * D; /* one (block, head) */
@@ -128,7 +164,7 @@ int ddtree_tree_attention(
         const int64_t rr = row < rows ? row : rows - 1;
         const float *q = query + (qs + rr / group) * q_stride_tok +
                          (h * group + rr % group) * q_stride_head;
-        for (int64_t d = 0; d < D; ++d) qbuf[row * D + d] = q[d] * scale;
+        for (int64_t d = 0; d < D; ++d) qbuf[row * D + d] = q[d] * q_scale;
         m[row] = sinks ? sinks[h * group + rr % group] : -INFINITY;
         l[row] = sinks ? 1.f : 0.f;
       }
@@ -157,11 +193,18 @@ int ddtree_tree_attention(
           const float *base = (const float *)kv_cache + (blk * num_kv_heads + h) * block_elems;
           kt = base;
           v = base + BS * D;
-        } else {
+        } else if (kv_dtype == 1) {
           const uint16_t *base =
               (const uint16_t *)kv_cache + (blk * num_kv_heads + h) * block_elems;
           for (int64_t e = 0; e < BS * D; ++e) kbuf[e] = bf16_to_f32(base[e]);
           for (int64_t e = 0; e < BS * D; ++e) vbuf[e] = bf16_to_f32(base[BS * D + e]);
+          kt = kbuf;
+          v = vbuf;
+        } else {
+          const uint8_t *base =
+              (const uint8_t *)kv_cache + (blk * num_kv_heads + h) * block_elems;
+          for (int64_t e = 0; e < BS * D; ++e) kbuf[e] = lut[base[e]];
+          for (int64_t e = 0; e < BS * D; ++e) vbuf[e] = lut[base[BS * D + e]];
           kt = kbuf;
           v = vbuf;
         }
@@ -175,6 +218,8 @@ int ddtree_tree_attention(
               const v8f k = load8(kt + d * BS + c);
               for (int i = 0; i < RT; ++i) a[i] += qt[i * D + d] * k;
             }
+            if (fp8)
+              for (int i = 0; i < RT; ++i) a[i] *= logit_scale8;
             for (int i = 0; i < RT; ++i) store8(s + i * BS + c, a[i]);
           }
           for (int i = 0; i < RT; ++i) {
@@ -236,7 +281,7 @@ int ddtree_tree_attention(
       for (int64_t row = 0; row < rows; ++row) {
         const int64_t i = row / group, g = row % group;
         float *o = out + (qs + i) * o_stride_tok + (h * group + g) * o_stride_head;
-        const float inv = l[row] > 0.f ? 1.f / l[row] : 0.f;
+        const float inv = l[row] > 0.f ? out_scale / l[row] : 0.f;
         for (int64_t d = 0; d < D; ++d) o[d] = acc[row * D + d] * inv;
       }
       free(m); free(l); free(qbuf); free(acc); free(s); free(kbuf); free(vbuf);
@@ -384,15 +429,18 @@ int ddtree_build_tree(const float *lp, int64_t batch, int64_t num_levels, int64_
 
 /* ------------------------------------------------------------------------
  * KV compaction on CPU: copy the K/V of cache slots src[i] to dst[i] in
- * each of `num_layers` caches in the "vec" layout (element size 2 or 4
- * bytes). Every source of a layer is read before any destination of it is
- * written, so overlapping moves are safe. Slots are block * block_size +
- * offset, as in vLLM's slot mapping.
+ * each of `num_layers` caches in the "vec" layout (element size 1, 2 or 4
+ * bytes: an fp8 cache's codes move as they are, never re-quantized). Every
+ * source of a layer is read before any destination of it is written, so
+ * overlapping moves are safe. Slots are block * block_size + offset, as in
+ * vLLM's slot mapping.
  * ---------------------------------------------------------------------- */
 int ddtree_move_slots(void *const *caches, int64_t num_layers, int64_t elem_size,
                       int64_t num_blocks, int64_t num_kv_heads, int64_t block_size,
                       int64_t head_size, const int64_t *src, const int64_t *dst, int64_t n) {
-  if ((elem_size != 2 && elem_size != 4) || block_size <= 0 || head_size <= 0) return -1;
+  if ((elem_size != 1 && elem_size != 2 && elem_size != 4) || block_size <= 0 ||
+      head_size <= 0)
+    return -1;
   for (int64_t i = 0; i < n; ++i)
     if (src[i] < 0 || dst[i] < 0 || src[i] >= num_blocks * block_size ||
         dst[i] >= num_blocks * block_size)

@@ -19,6 +19,10 @@ visibility mask; keys outside every node's window also get V = 0, since
 vLLM may have freed their blocks. Sinks (per query head) join the softmax
 denominator.
 
+An fp8 cache (``kv_quant``, ``uint8`` codes, ``kernels/fp8.py``) is decoded
+to fp32 as its blocks are gathered; ``k_scale`` joins the softmax scale of
+the logits and ``v_scale`` multiplies the output, as in vLLM's CPU op.
+
 Everything that depends only on the step, not on the layer (row and block
 indices, the visibility mask), is a :class:`TreeBatchPlan`, built once per
 step and reused by every layer. Given the step's host-side sizes
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_ddtree.kernels.fp8 import check_kv_quant, dequantize
 from vllm_ddtree.kernels.reference import check_sinks, check_sliding_window, unpack_tree_mask
 
 __all__ = ["TreeBatchPlan", "plan_tree_batch", "tree_attention_batched"]
@@ -134,14 +139,19 @@ def tree_attention_batched(
     scale: float,
     output: torch.Tensor,
     sinks: torch.Tensor | None = None,
+    kv_quant: str | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Write the tree requests' rows of ``output`` (other rows are untouched).
 
     ``query``/``output``: ``[num_tokens, Hq, D]``; ``kv_cache``: one layer's
     CPU cache in the "vec" layout, ``[num_blocks, Hk, block_size, 2 * D]``
     (see :func:`~vllm_ddtree.kernels.cache_layout.split_kv_cache_cpu_vec`),
-    holding this step's K/V; ``sinks``: float ``[Hq]`` sink logits, or None.
-    Computed in fp32, like the reference.
+    holding this step's K/V; ``sinks``: float ``[Hq]`` sink logits, or None;
+    ``kv_quant`` (None, "e4m3" or "e5m2") with ``k_scale``/``v_scale``: a
+    ``uint8`` fp8 cache and its per-tensor scales. Computed in fp32, like the
+    reference.
     """
     num_q_heads, head_size = query.shape[1], query.shape[2]
     num_blocks_total, num_kv_heads, block_size, _ = kv_cache.shape
@@ -150,11 +160,16 @@ def tree_attention_batched(
                          f"({num_kv_heads})")
     group = num_q_heads // num_kv_heads
     check_sinks(sinks, num_q_heads, query.device)
+    check_kv_quant(kv_quant, k_scale, v_scale, kv_cache.dtype)
     r, nq, nblk = plan.num_reqs, plan.num_q, plan.num_blocks
     kd = block_size * head_size
     # Whole blocks, K^T and V per (block, head) as vLLM stores them.
     raw = kv_cache.reshape(num_blocks_total, num_kv_heads, 2 * kd).index_select(0, plan.blocks)
-    raw = raw.view(r, nblk, num_kv_heads, 2 * kd).float()
+    raw = raw.view(r, nblk, num_kv_heads, 2 * kd)
+    if kv_quant is None:
+        raw, qk_scale = raw.float(), scale
+    else:
+        raw, qk_scale = dequantize(raw, kv_quant), scale * k_scale
     k_t = raw[..., :kd].view(r, nblk, num_kv_heads, head_size, block_size)
     v = raw[..., kd:].view(r, nblk, num_kv_heads, block_size, head_size)
     # Slots past a sequence's end, or outside every window, hold stale (or
@@ -163,7 +178,7 @@ def tree_attention_batched(
     v.masked_fill_(plan.dead, 0.0)  # raw is this call's own copy
     # [R, 1, Hk, Q * G, D]: query head h = kv * G + g reads kv head h // G.
     q = (query.index_select(0, plan.q_rows).view(r, nq, num_kv_heads, group, head_size)
-         .transpose(1, 2).reshape(r, 1, num_kv_heads, nq * group, head_size).float() * scale)
+         .transpose(1, 2).reshape(r, 1, num_kv_heads, nq * group, head_size).float() * qk_scale)
     scores = torch.matmul(q, k_t)  # [R, nblk, Hk, Q * G, bs]
     scores = scores.view(r, nblk, num_kv_heads, nq, group, block_size).masked_fill_(
         plan.hidden, float("-inf")).view(r, nblk, num_kv_heads, nq * group, block_size)
@@ -178,6 +193,8 @@ def tree_attention_batched(
     if sinks is not None:
         denom += (sink - top).exp_().view(r, num_kv_heads, nq * group)
     out = torch.matmul(p, v).sum(1) / denom[..., None]  # [R, Hk, Q * G, D]
+    if kv_quant is not None:
+        out *= v_scale
     out = (out.view(r, num_kv_heads, nq, group, head_size).transpose(1, 2)
            .reshape(r * nq, num_q_heads, head_size))
     out = out.index_select(0, plan.valid).where(plan.keep, 0.0)

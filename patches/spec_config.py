@@ -11,7 +11,9 @@ Everything else passes through untouched.
 It is also where DDTree configures the rest of the engine, because it runs
 before vLLM builds the attention, scheduler and parallel configs:
 
-* targets and engine settings DDTree cannot serve correctly are refused here,
+* targets and engine settings DDTree cannot serve correctly are refused here
+  (an fp8 KV cache is served on CPU where vLLM's CPU attention serves it,
+  :func:`check_quantized_kv_cache`),
   with an error that names the setting and the alternative
   (:func:`check_engine_args`); hybrid Gated DeltaNet targets get prefix
   caching off and a check that one request's states fit the cache
@@ -37,14 +39,17 @@ from vllm_ddtree.core.config import (
     read_drafter_config,
     resolve,
 )
-from vllm_ddtree.attention import CUDA_BACKEND_NAME
+from vllm_ddtree.attention import CUDA_BACKEND_NAME, UNQUANTIZED_TREE_KV_CACHE_DTYPES
+from vllm_ddtree.kernels.fp8 import KV_CACHE_DTYPE_KINDS
 from vllm_ddtree.patches.base import ALL_PLATFORMS, Patch
 from vllm_ddtree.core.stats import new_stats_dir
 
 
 logger = init_logger("vllm.ddtree")
 
-TREE_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
+# Any multiple of 32 (what CPU_ATTN takes): it only picks among the ISAs,
+# fp8 support depends on the CPU and the head size.
+_CPU_ISA_PROBE_BLOCK = 32
 
 
 def _asks_for_ddtree(args: Any) -> bool:
@@ -133,8 +138,9 @@ def check_hybrid_target(args: Any, model_config: Any, budget: int, is_cpu: bool)
 
 
 def check_engine_args(args: Any, model_config: Any, parallel_config: Any,
-                      budget: int = 0) -> None:
-    """Refuse, before any engine process starts, what DDTree would serve wrongly."""
+                      budget: int = 0, drafter_head_size: int | None = None) -> None:
+    """Refuse, before any engine process starts, what DDTree would serve wrongly.
+    ``drafter_head_size``: the drafter's, whose layers share the KV cache dtype."""
     from vllm.platforms import current_platform
 
     dflash = "Use method 'dflash' (the DFlash chain) for this setup."
@@ -180,14 +186,47 @@ def check_engine_args(args: Any, model_config: Any, parallel_config: Any,
     if model_config.uses_alibi:
         raise _refuse("model", "the target uses ALiBi, which the tree attention kernel does "
                       "not implement", dflash)
-    if args.kv_cache_dtype not in TREE_KV_CACHE_DTYPES:
-        raise _refuse("kv_cache_dtype", f"DDTree does not support a quantized KV cache (got "
-                      f"{args.kv_cache_dtype!r}): the tree kernel reads K/V unscaled",
-                      f"Use --kv-cache-dtype auto. {dflash}")
+    if args.kv_cache_dtype not in UNQUANTIZED_TREE_KV_CACHE_DTYPES:
+        check_quantized_kv_cache(args.kv_cache_dtype, model_config, current_platform,
+                                 drafter_head_size)
     if args.async_scheduling:
         raise _refuse("async_scheduling", "DDTree needs the tree of step N on the runner "
                       "before step N is scheduled",
                       "Drop --async-scheduling (DDTree turns it off by itself).")
+
+
+def check_quantized_kv_cache(kv_cache_dtype: str, model_config: Any, platform: Any,
+                             drafter_head_size: int | None = None) -> None:
+    """A quantized KV cache: the per-tensor fp8 formats on CPU, where vLLM's
+    own CPU attention serves them for the target and the drafter (x86 with
+    AVX-512 or AMX, head sizes multiples of 32: vLLM's ``_get_attn_isa``);
+    refused otherwise."""
+    dflash = "Use method 'dflash' (the DFlash chain) for this setup."
+    if kv_cache_dtype not in KV_CACHE_DTYPE_KINDS:
+        raise _refuse("kv_cache_dtype", f"DDTree reads unquantized KV caches and the "
+                      f"per-tensor fp8 formats {sorted(KV_CACHE_DTYPE_KINDS)} only (got "
+                      f"{kv_cache_dtype!r})", f"Use --kv-cache-dtype auto or fp8. {dflash}")
+    if platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        heads = {"target": model_config.get_head_size(), "drafter": drafter_head_size}
+        for model, head_size in heads.items():
+            if head_size is None:
+                continue
+            try:
+                _get_attn_isa(model_config.dtype, _CPU_ISA_PROBE_BLOCK, head_size,
+                              kv_cache_dtype)
+            except NotImplementedError as e:
+                raise _refuse("kv_cache_dtype", f"vLLM's CPU attention cannot keep a "
+                              f"{kv_cache_dtype!r} KV cache for the {model} (head size "
+                              f"{head_size}) here: {e}", "Use --kv-cache-dtype auto.") from None
+        return
+    where = "CUDA" if platform.is_cuda() else f"the {platform.device_name} platform"
+    raise _refuse("kv_cache_dtype", f"DDTree serves an fp8 KV cache on CPU only; on {where} "
+                  f"it is not tested (the Triton tree kernel's fp8 path has run only in "
+                  f"Triton's interpreter, and vLLM quantizes the Triton backend's queries to "
+                  f"fp8, which the tree kernel does not read)",
+                  f"Use --kv-cache-dtype auto. {dflash}")
 
 
 def _backend_name(value: Any) -> str | None:
@@ -227,12 +266,25 @@ def select_target_backend(args: Any, is_cuda: bool) -> None:
         args.attention_backend = AttentionBackendEnum[CUDA_BACKEND_NAME]
 
 
+def drafter_head_size(draft_config: dict[str, Any]) -> int | None:
+    """The head size in a drafter's raw config (``head_dim``, else hidden size
+    over heads); None when it does not say."""
+    head = draft_config.get("head_dim")
+    if isinstance(head, int):
+        return head
+    hidden, heads = draft_config.get("hidden_size"), draft_config.get("num_attention_heads")
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        return hidden // heads
+    return None
+
+
 def _configure_engine(args: Any, model_config: Any, parallel_config: Any,
-                      budget: int) -> None:
+                      budget: int, draft_config: dict[str, Any]) -> None:
     """Engine-wide settings that DDTree needs (documented in docs/design.md)."""
     from vllm.platforms import current_platform
 
-    check_engine_args(args, model_config, parallel_config, budget)
+    check_engine_args(args, model_config, parallel_config, budget,
+                      drafter_head_size(draft_config))
     select_target_backend(args, current_platform.is_cuda())
     args.async_scheduling = False
     # The tree seams live in the V1 model runner (vLLM picks V2 on CUDA by default).
@@ -260,8 +312,10 @@ def _build(original):
             user["model"] = _find_drafter(target_model_config.model)
         cfg, vllm_dict = DDTreeConfig.from_speculative_dict(user)
         # Check the drafter before vLLM does, so a wrong model gets our message.
-        runtime = resolve(cfg, read_drafter_config(vllm_dict["model"], vllm_dict.get("revision")))
-        _configure_engine(self, target_model_config, target_parallel_config, runtime.budget)
+        draft_config = read_drafter_config(vllm_dict["model"], vllm_dict.get("revision"))
+        runtime = resolve(cfg, draft_config)
+        _configure_engine(self, target_model_config, target_parallel_config, runtime.budget,
+                          draft_config)
         self.speculative_config = vllm_dict
         spec = original(self, target_model_config, target_parallel_config)
         # Post-construction attributes are not validated by pydantic and survive

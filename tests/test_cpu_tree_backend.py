@@ -41,21 +41,25 @@ def _fake_vllm_config(monkeypatch):
 
 
 class Step:
-    """A hand-built CPU_ATTN step: cache filled through the impl, metadata."""
+    """A hand-built CPU_ATTN step: cache filled through the impl, metadata.
+    ``kv_cache_dtype`` "fp8"/"fp8_e4m3"/"fp8_e5m2" makes it a uint8 fp8
+    cache written (quantized) by vLLM's cache op with ``k_scale``/``v_scale``."""
 
     def __init__(self, reqs, hq, hkv, hd, bs, dtype, isa, seed=0, table_seed=None,
-                 window=None, sinks=None):
+                 window=None, sinks=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0):
         gen = torch.Generator().manual_seed(seed)
         table_gen = torch.Generator().manual_seed(seed if table_seed is None else table_seed)
         self.reqs, self.dtype = reqs, dtype
         self.scale = hd**-0.5
         self.window, self.sinks = window, sinks
-        self.stock = CPUAttentionBackendImpl(hq, hd, self.scale, hkv, None, window, "auto",
-                                             sinks=sinks)
-        self.impl = dda.DDTreeCPUAttentionImpl(hq, hd, self.scale, hkv, None, window, "auto",
-                                               sinks=sinks)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.stock = CPUAttentionBackendImpl(hq, hd, self.scale, hkv, None, window,
+                                             kv_cache_dtype, sinks=sinks)
+        self.impl = dda.DDTreeCPUAttentionImpl(hq, hd, self.scale, hkv, None, window,
+                                               kv_cache_dtype, sinks=sinks)
         self.layer = SimpleNamespace(
-            isa=isa, _k_scale_float=1.0, _v_scale_float=1.0, layer_name="layers.0.attn"
+            isa=isa, _k_scale_float=k_scale, _v_scale_float=v_scale,
+            layer_name="layers.0.attn"
         )
         n_blocks = [math.ceil(r.seq_len / bs) for r in reqs]
         num_blocks = sum(n_blocks) + 2
@@ -65,7 +69,8 @@ class Step:
         for i, nb in enumerate(n_blocks):
             self.block_table[i, :nb] = perm[used : used + nb].int()
             used += nb
-        self.kv_cache = torch.zeros(num_blocks, hkv, bs, 2 * hd, dtype=dtype)
+        self.kv_cache = torch.zeros(num_blocks, hkv, bs, 2 * hd,
+                                    dtype=dtype if kv_cache_dtype == "auto" else torch.uint8)
         self.keys = [torch.randn(r.seq_len, hkv, hd, generator=gen).to(dtype) for r in reqs]
         self.values = [torch.randn(r.seq_len, hkv, hd, generator=gen).to(dtype) for r in reqs]
         self.bs = bs
@@ -98,7 +103,7 @@ class Step:
                 num_reqs=len(reqs), num_heads=hq, num_kv_heads=hkv, head_dim=hd,
                 seq_lens=self.seq_lens, dtype=dtype, query_start_loc=self.qsl,
                 causal=True, sliding_window_size=-1 if window is None else window, isa=isa,
-                enable_kv_split=False,
+                enable_kv_split=False, kv_cache_dtype=kv_cache_dtype,
             ),  # fmt: skip
             causal=True,
         )
@@ -143,10 +148,13 @@ class Step:
 
     def reference(self):
         k_view, v_view = split_kv_cache_cpu_vec(self.kv_cache)
+        k_scale, v_scale = self.impl.tree_kv_scales(self.layer)
         return tree_attention_reference(self.query, k_view, v_view, self.block_table,
                                         self.qsl, self.seq_lens, self.scale, self.mask,
                                         self.is_tree, sliding_window=self.window,
-                                        sinks=self.sinks, depth=self.depth)  # fmt: skip
+                                        sinks=self.sinks, depth=self.depth,
+                                        kv_quant=self.impl.tree_kv_quant, k_scale=k_scale,
+                                        v_scale=v_scale)  # fmt: skip
 
     def path_check(self, out, atol):
         """Tree rows against fp64 attention over context + root path."""

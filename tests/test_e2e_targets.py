@@ -11,6 +11,14 @@
 * A Mixture-of-Experts target (``Qwen3MoeForCausalLM``, made from the bundled
   target without training: ``benchmarks/tiny_pair/moe.py``): greedy DDTree
   equals plain decoding, and the bundled drafter keeps its acceptance.
+* An fp8 KV cache (``kv_cache_dtype="fp8"``), on the bundled pair with its
+  heads padded from 48 to 64 dims (``benchmarks/tiny_pair/head_pad.py``: vLLM
+  CPU keeps fp8 only for head sizes that are multiples of 32). Greedy DDTree
+  against plain decoding with the same fp8 cache: the tree's K/V come from
+  other matmul shapes, so a last-bit difference can move a value across an
+  fp8 rounding boundary; every prompt's first divergence must be a near-tie
+  under an fp32 rescoring, at the scale that stock fp8 itself moves the
+  target's choices (plain fp8 against plain fp32, ``tests/near_ties.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ pytestmark = pytest.mark.engine
 GREEDY = {"temperature": 0.0, "max_tokens": 96, "ignore_eos": True}
 PROMPTS = "humaneval:8"
 WINDOW = 48
+FP8_NEAR_TIE = 0.5  # fp32 logits; see test_fp8_kv_cache
 
 
 def _plain_and_tree(target: str, drafter: str, tmp_path, **llm) -> tuple[dict, dict]:
@@ -71,3 +80,38 @@ def test_mixture_of_experts_target(tiny_pair, tmp_path):
     _assert_identical(plain, tree, "MoE target")
     # the experts compute the dense target's function: the drafter still fits it
     assert tree["spec"]["tau"] > 2.5, tree["spec"]
+
+
+def _fp8_unavailable() -> str | None:
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    try:
+        _get_attn_isa(torch.float32, 32, 64, "fp8")
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+def test_fp8_kv_cache(tmp_path):
+    from benchmarks.tiny_pair.head_pad import make_head64_pair
+    from tests.near_ties import describe, first_divergences
+    from tests.pit import load_target
+
+    if _fp8_unavailable():
+        pytest.skip(f"vLLM's CPU attention has no fp8 KV cache here: {_fp8_unavailable()}")
+    target = make_head64_pair(tmp_path / "models")
+    plain, tree = _plain_and_tree(str(target), f"{target}-dflash", tmp_path,
+                                  kv_cache_dtype="fp8")
+    assert tree["spec"]["drafts"] > 0 and tree["spec"]["tau"] > 2.0, tree["spec"]
+    fp32 = run_job({"model": str(target), "prompts": PROMPTS, "sampling": GREEDY}, tmp_path)
+    model = load_target(str(target))
+    prompts = plain["prompt_ids"]
+    noise = first_divergences(model, prompts, fp32["outputs"], plain["outputs"])
+    divs = first_divergences(model, prompts, plain["outputs"], tree["outputs"])
+    print(f"\nplain fp8 against plain fp32: {describe(noise)}"
+          f"\nDDTree fp8 against plain fp8 ({len(prompts) - len(divs)}/{len(prompts)} "
+          f"identical, tau {tree['spec']['tau']:.2f}): {describe(divs)}")
+    bad = [d for d in divs if not d.near_tie(FP8_NEAR_TIE)]
+    assert not bad, f"DDTree diverges where the target is not at a near-tie: {describe(bad)}"
+    assert len(prompts) - len(divs) >= len(prompts) // 2, "too few identical prompts"

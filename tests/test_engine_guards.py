@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -88,12 +90,77 @@ def test_cpu_keeps_vllms_backend_choice(tiny_pair):
 
 @pytest.mark.parametrize("kw,field", [
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
-    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+    ({"kv_cache_dtype": "int8_per_token_head"}, "kv_cache_dtype"),
 ])
 def test_refused_engine_settings(tiny_pair, kw, field):
     target, drafter = tiny_pair
     with pytest.raises(DDTreeConfigError, match=rf"^{field}:.*dflash"):
         _args(target, drafter, **kw).create_engine_config()
+
+
+def _variant(tmp_path, target, **changes):
+    """A copy of a tiny model whose config.json has ``changes``."""
+    d = tmp_path / "target"
+    shutil.copytree(target, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+def _fp8_unavailable() -> str | None:
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    try:
+        _get_attn_isa(torch.float32, 32, 64, "fp8")
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
+def _head_dim_64(tmp_path, target, drafter):
+    """Configs of the tiny pair with head size 64 (the bundled pair's 48 is
+    no multiple of 32, which vLLM's fp8 CPU cache needs); weights unread."""
+    return (_variant(tmp_path, target, head_dim=64),
+            _variant(tmp_path / "drafter", drafter, head_dim=64))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_fp8_kv_cache_is_served_where_vllms_cpu_attention_serves_it(tiny_pair, tmp_path,
+                                                                     kv_cache_dtype):
+    if _fp8_unavailable():
+        pytest.skip(f"vLLM's CPU attention has no fp8 KV cache here: {_fp8_unavailable()}")
+    target, drafter = _head_dim_64(tmp_path, *tiny_pair)
+    cfg = _args(target, drafter, kv_cache_dtype=kv_cache_dtype).create_engine_config()
+    assert cfg.cache_config.cache_dtype == kv_cache_dtype
+    assert cfg.speculative_config.ddtree is not None
+
+
+def test_fp8_kv_cache_refusals(tiny_pair, tmp_path, monkeypatch):
+    import torch
+
+    target, drafter = tiny_pair
+    # vLLM's own rule, before any engine starts: head sizes must be multiples
+    # of 32 (the bundled pair has 48), for the target and for the drafter
+    with pytest.raises(DDTreeConfigError, match=r"^kv_cache_dtype:.*target \(head size 48\)"
+                                                r".*divisible by 32.*--kv-cache-dtype auto"):
+        _args(target, drafter, kv_cache_dtype="fp8").create_engine_config()
+    target64, drafter64 = _head_dim_64(tmp_path, target, drafter)
+    with pytest.raises(DDTreeConfigError, match=r"^kv_cache_dtype:.*drafter \(head size 48\)"):
+        _args(target64, drafter, kv_cache_dtype="fp8").create_engine_config()
+    # a CPU without AVX-512 or AMX, as vLLM sees it
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    with pytest.raises(DDTreeConfigError, match=r"^kv_cache_dtype:.*x86 with AVX-512 or AMX"):
+        _args(target64, drafter64, kv_cache_dtype="fp8_e5m2").create_engine_config()
+
+
+def test_fp8_kv_cache_is_refused_on_cuda(tiny_pair, tmp_path, cuda_platform):
+    target, drafter = _head_dim_64(tmp_path, *tiny_pair)
+    with pytest.raises(DDTreeConfigError, match=r"^kv_cache_dtype:.*on CUDA it is not tested"
+                                                r".*queries to fp8.*--kv-cache-dtype auto"):
+        _args(target, drafter, kv_cache_dtype="fp8").create_engine_config()
 
 
 def _hybrid_model_config(archs=("Qwen3_5ForCausalLM",), **text):

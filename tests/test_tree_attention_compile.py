@@ -26,15 +26,17 @@ assert not ta.INTERPRETED
 fn = ta._tree_attention_kernel
 ptr = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
 results = []
-for (dtype, head_size, qpk, page, has_tree, tree_only, max_q, window, sinks,
+for (dtype, head_size, qpk, page, has_tree, tree_only, max_q, window, sinks, kv_quant,
      cap) in json.loads(sys.argv[1]):
     dtype = getattr(torch, dtype)
     consts = ta.kernel_constexprs(dtype, head_size, qpk, page, has_tree, tree_only, max_q,
-                                  window, sinks)
+                                  window, sinks, kv_quant)
     sig = {}
     for name in fn.arg_names:
         if name in consts:
             sig[name] = "constexpr"
+        elif name in ("k_ptr", "v_ptr") and kv_quant is not None:
+            sig[name] = "*u8"
         elif name in ("out_ptr", "q_ptr", "k_ptr", "v_ptr"):
             sig[name] = ptr[dtype]
         elif name == "is_tree_ptr":
@@ -43,7 +45,7 @@ for (dtype, head_size, qpk, page, has_tree, tree_only, max_q, window, sinks,
             sig[name] = "*fp32"
         elif name.endswith("_ptr"):
             sig[name] = "*i32"
-        elif name == "qk_scale":
+        elif name in ("qk_scale", "v_scale"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -57,12 +59,14 @@ print(json.dumps(results))
 """
 
 # (dtype, head_size, queries_per_kv, page_size, has_tree, tree_only,
-#  max_query_len, sliding window, sinks, compute capability)
+#  max_query_len, sliding window, sinks, fp8 KV kind, compute capability)
 VARIANTS = [
-    ("bfloat16", 128, 4, 16, True, False, 257, False, False, 90),
-    ("float32", 80, 5, 32, True, True, None, False, False, 80),
-    ("bfloat16", 64, 8, 16, True, False, 257, True, True, 90),
-    ("float16", 128, 4, 16, True, False, 1, True, False, 80),
+    ("bfloat16", 128, 4, 16, True, False, 257, False, False, None, 90),
+    ("float32", 80, 5, 32, True, True, None, False, False, None, 80),
+    ("bfloat16", 64, 8, 16, True, False, 257, True, True, None, 90),
+    ("float16", 128, 4, 16, True, False, 1, True, False, None, 80),
+    ("bfloat16", 128, 4, 16, True, False, 257, False, False, "e4m3", 90),
+    ("float16", 64, 8, 16, True, False, 257, True, True, "e5m2", 80),
 ]
 
 

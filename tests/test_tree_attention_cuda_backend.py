@@ -68,9 +68,18 @@ def test_register_backends_on_cuda(monkeypatch):
     assert AttentionBackendEnum[member.get_class().get_name()] is member
 
 
-def _impl(hq, hkv, hd, window=None, sinks=None):
-    return dda.DDTreeTritonAttentionImpl(hq, hd, hd**-0.5, hkv, None, window, "auto",
+def _impl(hq, hkv, hd, window=None, sinks=None, kv_cache_dtype="auto"):
+    return dda.DDTreeTritonAttentionImpl(hq, hd, hd**-0.5, hkv, None, window, kv_cache_dtype,
                                          sinks=sinks)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_fp8_kv_cache_stays_refused_on_cuda(kv_cache_dtype):
+    # The tree kernel decodes fp8 (tested in the interpreter), but on CUDA
+    # vLLM quantizes this backend's queries to fp8 and no GPU has run it.
+    reason = _impl(4, 2, 32, kv_cache_dtype=kv_cache_dtype).tree_unsupported_reason()
+    assert reason.startswith(f"kv_cache_dtype {kv_cache_dtype} on CUDA (not tested")
+    assert kv_cache_dtype not in dda.DDTreeTritonAttentionBackend.supported_kv_cache_dtypes
 
 
 def _metadata(batch, tree: bool):

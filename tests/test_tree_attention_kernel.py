@@ -17,6 +17,7 @@ from test_tree_attention_utils import (  # noqa: E402
     build_batch,
     make_parents,
     path_attention,
+    quantize_batch,
 )
 
 from vllm_ddtree.kernels import tree_attention as ta  # noqa: E402
@@ -124,6 +125,29 @@ def test_kernel_matches_reference_mixed_batch(case):
     _assert_close(out_k[:n], out_r[:n], dtype)
     # padding rows beyond the last request are not written
     assert torch.equal(out_k[n:], sentinel[n:])
+
+
+@pytest.mark.parametrize("kind", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("layout", ["nhd", "cpu_vec"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fp8_cache_matches_reference(kind, layout, dtype):
+    # uint8 fp8 codes with per-tensor scales (tests/test_tree_attention_fp8.py
+    # has the CPU paths and vLLM's own cache); the decoded values are exact in
+    # every query dtype, so the tolerances are the unquantized ones.
+    reqs = _make_reqs([("tree", 31), ("decode", 33), ("prefill", 1, 5), ("chain", 17)], 9,
+                      seed=3)
+    batch = build_batch(reqs, 8, 2, 32, 16, torch.float32, layout, DEVICE, seed=3,
+                        pad_tokens=2)
+    batch = quantize_batch(batch, layout, kind, 0.37, 1.9)
+    batch.query = batch.query.to(dtype)
+    quant = dict(kv_quant=kind, k_scale=0.37, v_scale=1.9)
+    out_k, out_r = _run_both(batch, **quant)
+    n = int(batch.query_start_loc[-1])
+    _assert_close(out_k[:n], out_r[:n], dtype)
+    if dtype == torch.float32:
+        for node in range(reqs[0].q_len):  # the reference itself: dequantized K/V
+            torch.testing.assert_close(out_k[node].double().cpu(),
+                                       path_attention(batch, 0, node), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("layout", ["nhd", "cpu_vec", "hnd"])

@@ -217,6 +217,36 @@ def build_batch(
     )
 
 
+FP8_TORCH_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def quantize_batch(batch: Batch, layout: str, kind: str, k_scale: float,
+                   v_scale: float) -> Batch:
+    """``batch`` with its cache replaced by fp8 codes (``uint8``, same layout)
+    of its K/V over per-tensor scales, rounded to nearest by torch's float8
+    types; the dense ``keys``/``values`` become the dequantized fp64 values.
+    Never-written slots (NaN in the float cache) get NaN codes."""
+    num_blocks, block_size, num_kv_heads, head_size = batch.key_cache.shape
+    dev = batch.key_cache.device
+    if layout == "nhd":
+        raw = torch.zeros(num_blocks, block_size, num_kv_heads, 2 * head_size,
+                          dtype=torch.uint8, device=dev).permute(0, 2, 1, 3)
+        k_u8, v_u8 = split_kv_cache_nhd(raw, head_size)
+    elif layout == "cpu_vec":
+        raw = torch.zeros(num_blocks, num_kv_heads, block_size, 2 * head_size,
+                          dtype=torch.uint8, device=dev)
+        k_u8, v_u8 = split_kv_cache_cpu_vec(raw)
+    else:
+        raise ValueError(layout)
+    f8 = FP8_TORCH_DTYPES[kind]
+    k_u8.copy_((batch.key_cache.float() / k_scale).to(f8).view(torch.uint8))
+    v_u8.copy_((batch.value_cache.float() / v_scale).to(f8).view(torch.uint8))
+    batch.kv_cache, batch.key_cache, batch.value_cache = raw, k_u8, v_u8
+    batch.keys = [(k.float() / k_scale).to(f8).double() * k_scale for k in batch.keys]
+    batch.values = [(v.float() / v_scale).to(f8).double() * v_scale for v in batch.values]
+    return batch
+
+
 def path_attention(batch: Batch, req_idx: int, node: int) -> torch.Tensor:
     """fp64 attention of one tree node over context + its root-to-node path,
     from the dense K/V (no paging, no mask): ``[num_q_heads, head_size]``."""
@@ -263,6 +293,8 @@ def test_compaction_moves_only_the_named_layers():
     from vllm_ddtree.core.compaction import KVCapture
 
     class Impl:
+        tree_kv_quant = None
+
         def tree_kv_views(self, cache):
             return cache[0], cache[1]
 

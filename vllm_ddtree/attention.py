@@ -29,6 +29,13 @@ Backends
   ``TRITON_ATTN`` whose forward runs the Triton tree kernel on the whole batch
   when tree info is present and the stock kernel otherwise.
 
+The CPU tree paths also read an fp8 KV cache (``--kv-cache-dtype fp8``,
+``fp8_e4m3``, ``fp8_e5m2``: ``uint8`` codes and the layer's per-tensor
+``_k_scale_float``/``_v_scale_float``), decoding and scaling as vLLM's CPU op
+does (``kernels/fp8.py``). On CUDA a quantized cache stays refused: vLLM
+hands the Triton backend fp8-quantized queries there, which the tree kernel
+does not read, and its fp8 path has run only in Triton's interpreter.
+
 Both tree paths serve sliding-window layers (the window counted in logical
 positions, so a tree node at depth ``d`` measures it from ``ctx_len + d``,
 see ``kernels/reference.py``) and per-head attention sinks, with vLLM's
@@ -60,6 +67,7 @@ from vllm_ddtree.core.compaction import kv_capture
 from vllm_ddtree.core.config import ddtree_runtime
 from vllm_ddtree.kernels import cpu_native
 from vllm_ddtree.kernels.cache_layout import split_kv_cache_cpu_vec, split_kv_cache_nhd
+from vllm_ddtree.kernels.fp8 import KV_CACHE_DTYPE_KINDS, kv_quant_of
 from vllm_ddtree.kernels.tree_attention_cpu import (
     TreeBatchPlan,
     plan_tree_batch,
@@ -98,6 +106,7 @@ CPU_BACKEND_PATH = "vllm_ddtree.attention.DDTreeCPUAttentionBackend"
 CUDA_BACKEND_NAME = "DDTREE"
 CUDA_BACKEND_PATH = "vllm_ddtree.attention.DDTreeTritonAttentionBackend"
 CPU_TREE_ISAS = ("vec", "vec16")
+UNQUANTIZED_TREE_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
 
 
 # ---------------------------------------------------------------------------
@@ -110,6 +119,9 @@ class TreeAttentionImplMixin:
     requires it on every target layer, and its methods are shared by the CPU
     and CUDA impls."""
 
+    #: the ``kv_cache_dtype`` values the impl's tree path reads
+    TREE_KV_CACHE_DTYPES: ClassVar[tuple[str, ...]] = UNQUANTIZED_TREE_KV_CACHE_DTYPES
+
     def tree_unsupported_reason(self) -> str | None:
         """The layer feature the tree path cannot serve, or None. Checked once
         per target layer at start-up (the engine refuses to start)."""
@@ -119,9 +131,23 @@ class TreeAttentionImplMixin:
             return "ALiBi"
         if self.logits_soft_cap:
             return "logits soft-capping"
-        if self.kv_cache_dtype not in ("auto", "float16", "bfloat16"):
+        if self.kv_cache_dtype not in self.TREE_KV_CACHE_DTYPES:
             return f"kv_cache_dtype {self.kv_cache_dtype}"
         return None
+
+    @property
+    def tree_kv_quant(self) -> str | None:
+        """The cache's fp8 kind ("e4m3", "e5m2"), or None when it is not
+        quantized; KV compaction then moves its codes as bytes."""
+        return kv_quant_of(self.kv_cache_dtype)
+
+    def tree_kv_scales(self, layer) -> tuple[float, float]:
+        """``(k_scale, v_scale)`` of ``layer``'s cache for the tree kernels:
+        the layer's per-tensor fp8 scales, read at every step as vLLM's own
+        op reads them; 1.0 for an unquantized cache."""
+        if self.tree_kv_quant is None:
+            return 1.0, 1.0
+        return layer._k_scale_float, layer._v_scale_float
 
     def tree_sliding_window(self) -> int | None:
         """The layer's window as the number of positions a query sees (itself
@@ -256,14 +282,17 @@ def _step_plan(info: TreeAttentionInfo, attn_metadata, block_size: int,
 
 
 class DDTreeCPUAttentionImpl(TreeAttentionImplMixin, CPUAttentionBackendImpl):
+    TREE_KV_CACHE_DTYPES: ClassVar[tuple[str, ...]] = (UNQUANTIZED_TREE_KV_CACHE_DTYPES
+                                                       + tuple(KV_CACHE_DTYPE_KINDS))
+
     def _split_kv_cache(self, kv_cache):
         return split_kv_cache_cpu_vec(kv_cache)
 
     @staticmethod
     def move_kv_slots(caches, src_slots, dst_slots) -> bool:
-        """KV compaction for every target layer in one native call; False
-        when the native kernels are unavailable (the caller then moves layer
-        by layer through ``do_kv_cache_update``)."""
+        """KV compaction for every target layer in one native call (a byte
+        copy, so fp8 codes move as they are); False when the native kernels
+        are unavailable (the caller then moves layer by layer)."""
         lib = cpu_native.load()
         if lib is None or not all(c.is_contiguous() for c in caches):
             return False
@@ -308,6 +337,8 @@ class DDTreeCPUAttentionImpl(TreeAttentionImplMixin, CPUAttentionBackendImpl):
         n = attn_metadata.num_actual_tokens
         window = self.tree_sliding_window()
         depth = _step_depth(info, window)
+        kv_quant = self.tree_kv_quant
+        k_scale, v_scale = self.tree_kv_scales(layer)
         mode = _cpu_tree_mode()
         if mode == "triton":
             key_cache, value_cache = self.tree_kv_views(kv_cache)
@@ -317,14 +348,17 @@ class DDTreeCPUAttentionImpl(TreeAttentionImplMixin, CPUAttentionBackendImpl):
                 attn_metadata.query_start_loc, attn_metadata.seq_lens, self.scale,
                 info.mask, info.is_tree, output=output[:n], tree_only=True,
                 max_query_len=attn_metadata.max_query_len, sliding_window=window,
-                sinks=self.sinks, depth=depth,
+                sinks=self.sinks, depth=depth, kv_quant=kv_quant, k_scale=k_scale,
+                v_scale=v_scale,
             )  # fmt: skip
             return output
-        lib = cpu_native.load() if _native_fits(kv_cache, self.head_size) else None
+        lib = (cpu_native.load() if _native_fits(kv_cache, self.head_size, kv_quant)
+               else None)
         if lib is None:
             tree_attention_batched(query[:n], kv_cache,
                                    _step_plan(info, attn_metadata, kv_cache.shape[2], window),
-                                   self.scale, output[:n], sinks=self.sinks)
+                                   self.scale, output[:n], sinks=self.sinks,
+                                   kv_quant=kv_quant, k_scale=k_scale, v_scale=v_scale)
             return output
         tree_reqs = info.plans.get("native_reqs")
         if tree_reqs is None:
@@ -337,7 +371,7 @@ class DDTreeCPUAttentionImpl(TreeAttentionImplMixin, CPUAttentionBackendImpl):
             lib, query[:n].float(), kv_cache, attn_metadata.block_table,
             attn_metadata.query_start_loc, attn_metadata.seq_lens, tree_reqs, info.mask,
             self.scale, out32, sliding_window=window, sinks=self.sinks,
-            depth=depth)  # fmt: skip
+            depth=depth, kv_quant=kv_quant, k_scale=k_scale, v_scale=v_scale)  # fmt: skip
         if out32 is not out:
             rows = _tree_rows(info, attn_metadata)
             out.index_copy_(0, rows, out32.index_select(0, rows).to(out.dtype))
@@ -353,10 +387,11 @@ def _step_depth(info: TreeAttentionInfo, window: int | None) -> torch.Tensor | N
     return info.depth
 
 
-def _native_fits(kv_cache: torch.Tensor, head_size: int) -> bool:
+def _native_fits(kv_cache: torch.Tensor, head_size: int, kv_quant: str | None) -> bool:
     """Whether the native kernel takes this layer (else the torch path)."""
-    return (kv_cache.dtype in cpu_native.KV_DTYPES and kv_cache.is_contiguous()
-            and head_size % 8 == 0 and kv_cache.shape[2] % 8 == 0)
+    return ((kv_quant is not None or kv_cache.dtype in cpu_native.KV_DTYPES)
+            and kv_cache.is_contiguous() and head_size % 8 == 0
+            and kv_cache.shape[2] % 8 == 0)
 
 
 def _tree_rows(info: TreeAttentionInfo, attn_metadata) -> torch.Tensor:
@@ -397,6 +432,11 @@ if TritonAttentionBackend is not None:
         def tree_unsupported_reason(self) -> str | None:
             if self.chunk_lookback > -1:
                 return "chunked attention with lookback"
+            if self.kv_cache_dtype in KV_CACHE_DTYPE_KINDS:
+                return (f"kv_cache_dtype {self.kv_cache_dtype} on CUDA (not tested: the "
+                        f"Triton tree kernel's fp8 path has run only in Triton's "
+                        f"interpreter, and vLLM quantizes this backend's queries to fp8, "
+                        f"which the tree kernel does not read)")
             return super().tree_unsupported_reason()
 
         def _step_unsupported_reason(self, attn_metadata, output_scale, output_block_scale):

@@ -18,7 +18,11 @@ to condition the drafter); :class:`KVCapture` applies them:
    impl's own ``do_kv_cache_update``, so the cache layout is the backend's
    business; an impl class with a ``move_kv_slots(caches, src, dst)`` that
    returns True does it for all layers at once instead (the CPU backend's
-   native copy). All sources are read before any destination is written, so
+   native copy). A quantized cache (the impl's ``tree_kv_quant`` is set) is
+   copied slot to slot through the same views instead: its codes move as
+   they are, because writing their dequantized values through the cache
+   write would quantize them a second time (the per-tensor scales stay as
+   they are). All sources are read before any destination is written, so
    overlapping moves are safe.
 
 The capture also proves the tree path ran: :meth:`KVCapture.missing_layers`
@@ -165,6 +169,8 @@ class KVCapture:
         block_size = records[0].key_view.shape[1]
         src_block = torch.div(src_slots, block_size, rounding_mode="floor")
         src_offset = src_slots - src_block * block_size
+        dst_block = torch.div(dst_slots, block_size, rounding_mode="floor")
+        dst_offset = dst_slots - dst_block * block_size
         self._moving = True
         try:
             for rec in records:
@@ -173,7 +179,12 @@ class KVCapture:
                                      "sizes cannot share one slot mapping")
                 key = rec.key_view[src_block, src_offset]
                 value = rec.value_view[src_block, src_offset]
-                rec.impl.do_kv_cache_update(rec.layer, key, value, rec.kv_cache, dst_slots)
+                if rec.impl.tree_kv_quant is not None:
+                    rec.key_view[dst_block, dst_offset] = key
+                    rec.value_view[dst_block, dst_offset] = value
+                else:
+                    rec.impl.do_kv_cache_update(rec.layer, key, value, rec.kv_cache,
+                                                dst_slots)
             return len(records)
         finally:
             self._moving = False

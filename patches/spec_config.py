@@ -12,8 +12,8 @@ It is also where DDTree configures the rest of the engine, because it runs
 before vLLM builds the attention, scheduler and parallel configs:
 
 * targets and engine settings DDTree cannot serve correctly are refused here
-  (an fp8 KV cache is served on CPU where vLLM's CPU attention serves it,
-  :func:`check_quantized_kv_cache`),
+  (an fp8 KV cache is served on CPU where vLLM's CPU attention serves it, and
+  on CUDA in the e4m3 format, :func:`check_quantized_kv_cache`),
   with an error that names the setting and the alternative
   (:func:`check_engine_args`); hybrid Gated DeltaNet targets get prefix
   caching off and a check that one request's states fit the cache
@@ -39,7 +39,11 @@ from vllm_ddtree.core.config import (
     read_drafter_config,
     resolve,
 )
-from vllm_ddtree.attention import CUDA_BACKEND_NAME, UNQUANTIZED_TREE_KV_CACHE_DTYPES
+from vllm_ddtree.attention import (
+    CUDA_BACKEND_NAME,
+    CUDA_FP8_KV_CACHE_DTYPES,
+    UNQUANTIZED_TREE_KV_CACHE_DTYPES,
+)
 from vllm_ddtree.kernels.fp8 import KV_CACHE_DTYPE_KINDS
 from vllm_ddtree.patches.base import ALL_PLATFORMS, Patch
 from vllm_ddtree.core.stats import new_stats_dir
@@ -200,7 +204,8 @@ def check_quantized_kv_cache(kv_cache_dtype: str, model_config: Any, platform: A
     """A quantized KV cache: the per-tensor fp8 formats on CPU, where vLLM's
     own CPU attention serves them for the target and the drafter (x86 with
     AVX-512 or AMX, head sizes multiples of 32: vLLM's ``_get_attn_isa``);
-    refused otherwise."""
+    on CUDA the e4m3 one, the format vLLM's Triton backend reads; refused
+    otherwise."""
     dflash = "Use method 'dflash' (the DFlash chain) for this setup."
     if kv_cache_dtype not in KV_CACHE_DTYPE_KINDS:
         raise _refuse("kv_cache_dtype", f"DDTree reads unquantized KV caches and the "
@@ -221,11 +226,19 @@ def check_quantized_kv_cache(kv_cache_dtype: str, model_config: Any, platform: A
                               f"{kv_cache_dtype!r} KV cache for the {model} (head size "
                               f"{head_size}) here: {e}", "Use --kv-cache-dtype auto.") from None
         return
-    where = "CUDA" if platform.is_cuda() else f"the {platform.device_name} platform"
-    raise _refuse("kv_cache_dtype", f"DDTree serves an fp8 KV cache on CPU only; on {where} "
-                  f"it is not tested (the Triton tree kernel's fp8 path has run only in "
-                  f"Triton's interpreter, and vLLM quantizes the Triton backend's queries to "
-                  f"fp8, which the tree kernel does not read)",
+    if platform.is_cuda():
+        if kv_cache_dtype in CUDA_FP8_KV_CACHE_DTYPES:
+            if not platform.has_device_capability(89):
+                # vLLM's Triton backend raises the same when the model loads
+                raise _refuse("kv_cache_dtype", f"{kv_cache_dtype!r}: vLLM's Triton "
+                              f"attention backend keeps fp8 KV caches on compute capability "
+                              f"8.9 and newer only", "Use --kv-cache-dtype auto.")
+            return
+        raise _refuse("kv_cache_dtype", f"{kv_cache_dtype!r} on CUDA: vLLM's Triton attention "
+                      f"backend, which DDTree's extends, reads every fp8 cache as e4m3",
+                      f"Use --kv-cache-dtype fp8 (e4m3) or auto. {dflash}")
+    raise _refuse("kv_cache_dtype", f"DDTree serves an fp8 KV cache on CPU and CUDA only, not "
+                  f"on the {platform.device_name} platform",
                   f"Use --kv-cache-dtype auto. {dflash}")
 
 

@@ -156,11 +156,22 @@ def test_fp8_kv_cache_refusals(tiny_pair, tmp_path, monkeypatch):
         _args(target64, drafter64, kv_cache_dtype="fp8_e5m2").create_engine_config()
 
 
-def test_fp8_kv_cache_is_refused_on_cuda(tiny_pair, tmp_path, cuda_platform):
+def test_fp8_kv_cache_on_cuda(tiny_pair, tmp_path, cuda_platform, monkeypatch):
+    from vllm.platforms import current_platform
+
+    # e4m3 (fp8, fp8_e4m3) is served: vLLM's Triton backend reads that format
     target, drafter = _head_dim_64(tmp_path, *tiny_pair)
-    with pytest.raises(DDTreeConfigError, match=r"^kv_cache_dtype:.*on CUDA it is not tested"
-                                                r".*queries to fp8.*--kv-cache-dtype auto"):
+    monkeypatch.setattr(current_platform, "has_device_capability", lambda cap: False)
+    with pytest.raises(DDTreeConfigError, match=r"^kv_cache_dtype:.*compute capability 8.9"):
         _args(target, drafter, kv_cache_dtype="fp8").create_engine_config()
+    monkeypatch.setattr(current_platform, "has_device_capability", lambda cap: cap <= 90)
+    for kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        cfg = _args(target, drafter, kv_cache_dtype=kv_cache_dtype).create_engine_config()
+        assert cfg.cache_config.cache_dtype == kv_cache_dtype
+        assert cfg.attention_config.backend.name == "DDTREE"
+    with pytest.raises(DDTreeConfigError, match=r"^kv_cache_dtype:.*'fp8_e5m2' on CUDA.*e4m3"
+                                                r".*--kv-cache-dtype fp8"):
+        _args(target, drafter, kv_cache_dtype="fp8_e5m2").create_engine_config()
 
 
 def _hybrid_model_config(archs=("Qwen3_5ForCausalLM",), **text):

@@ -18,7 +18,12 @@ import pytest  # noqa: E402
 
 pytest.importorskip("vllm")
 
-from test_tree_attention_utils import Req, build_batch, make_parents  # noqa: E402
+from test_tree_attention_utils import (  # noqa: E402
+    Req,
+    build_batch,
+    make_parents,
+    quantize_batch,
+)
 from vllm.v1.attention.backend import AttentionCGSupport  # noqa: E402
 from vllm.v1.attention.backends import triton_attn  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
@@ -51,7 +56,7 @@ def test_backend_class_wiring():
     # in persistent buffers a captured graph reads on replay)
     assert builder.get_cudagraph_support(None, None) == AttentionCGSupport.UNIFORM_BATCH
     assert issubclass(dda.DDTreeTritonAttentionImpl, triton_attn.TritonAttentionImpl)
-    assert "fp8" not in backend.supported_kv_cache_dtypes
+    assert "fp8_e5m2" not in backend.supported_kv_cache_dtypes
     assert backend.supports_head_size(128)
 
 
@@ -73,13 +78,25 @@ def _impl(hq, hkv, hd, window=None, sinks=None, kv_cache_dtype="auto"):
                                          sinks=sinks)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
-def test_fp8_kv_cache_stays_refused_on_cuda(kv_cache_dtype):
-    # The tree kernel decodes fp8 (tested in the interpreter), but on CUDA
-    # vLLM quantizes this backend's queries to fp8 and no GPU has run it.
-    reason = _impl(4, 2, 32, kv_cache_dtype=kv_cache_dtype).tree_unsupported_reason()
-    assert reason.startswith(f"kv_cache_dtype {kv_cache_dtype} on CUDA (not tested")
-    assert kv_cache_dtype not in dda.DDTreeTritonAttentionBackend.supported_kv_cache_dtypes
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3"])
+def test_fp8_e4m3_kv_cache_is_served_with_unquantized_queries(kv_cache_dtype, monkeypatch):
+    monkeypatch.setattr(triton_attn.current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(triton_attn.current_platform, "has_device_capability", lambda c: True)
+    impl = _impl(4, 2, 32, kv_cache_dtype=kv_cache_dtype)
+    assert impl.tree_unsupported_reason() is None
+    assert impl.tree_kv_quant == "e4m3"
+    # vLLM's attention layer quantizes queries to fp8 only for impls that
+    # ask for it; the tree kernel reads them in the model dtype
+    assert impl.supports_quant_query_input is False
+    assert kv_cache_dtype in dda.DDTreeTritonAttentionBackend.supported_kv_cache_dtypes
+    assert _impl(4, 2, 32).supports_quant_query_input is True  # stock behaviour otherwise
+
+
+def test_fp8_e5m2_kv_cache_is_refused_on_cuda():
+    # vLLM's Triton backend reads every fp8 cache as e4m3
+    reason = _impl(4, 2, 32, kv_cache_dtype="fp8_e5m2").tree_unsupported_reason()
+    assert reason.startswith("kv_cache_dtype fp8_e5m2 on CUDA") and "fp8_e4m3" in reason
+    assert "fp8_e5m2" not in dda.DDTreeTritonAttentionBackend.supported_kv_cache_dtypes
 
 
 def _metadata(batch, tree: bool):
@@ -154,6 +171,31 @@ def test_forward_with_sliding_window_and_sinks(monkeypatch):
     assert torch.all(out[n:] == 5.0)
     assert not torch.allclose(ref[:n], tree_attention_reference(*batch.args())[:n], atol=1e-2)
     assert _impl(8, 2, 32).tree_sliding_window() is None  # an unwindowed layer
+
+
+def test_forward_on_an_fp8_cache(monkeypatch):
+    # e4m3 codes with per-tensor scales in the CUDA layout: the tree path
+    # decodes and scales them (the layer's host floats, as the CPU op reads)
+    monkeypatch.setattr(triton_attn.TritonAttentionImpl, "forward",
+                        lambda *a, **k: pytest.fail("stock forward called"))
+    k_scale, v_scale = 0.37, 1.9
+    reqs = [Req(37, 9, _tree(9, 4)), Req(20, 1), Req(50, 12, _tree(12, 5))]
+    batch = build_batch(reqs, 8, 2, 32, 16, torch.float32, "nhd", DEVICE, pad_tokens=2)
+    batch = quantize_batch(batch, "nhd", "e4m3", k_scale, v_scale)
+    impl = _impl(8, 2, 32, kv_cache_dtype="fp8")
+    layer = SimpleNamespace(layer_name="layers.0.attn", _k_scale_float=k_scale,
+                            _v_scale_float=v_scale)
+    out = torch.full_like(batch.query, 5.0)
+    impl.forward(layer, batch.query, torch.empty(0), torch.empty(0), batch.kv_cache,
+                 _metadata(batch, True), out)
+    quant = dict(kv_quant="e4m3", k_scale=k_scale, v_scale=v_scale)
+    ref = tree_attention_reference(*batch.args(), **quant)
+    n = int(batch.query_start_loc[-1])
+    torch.testing.assert_close(out[:n], ref[:n], atol=2e-5, rtol=2e-5)
+    assert torch.all(out[n:] == 5.0)
+    # the scales are read: unscaled codes are another function
+    unscaled = tree_attention_reference(*batch.args(), kv_quant="e4m3")
+    assert not torch.allclose(unscaled[:n], ref[:n], atol=1e-2)
 
 
 def test_kv_capture_goes_through_the_stock_cache_write(monkeypatch):

@@ -29,12 +29,13 @@ Backends
   ``TRITON_ATTN`` whose forward runs the Triton tree kernel on the whole batch
   when tree info is present and the stock kernel otherwise.
 
-The CPU tree paths also read an fp8 KV cache (``--kv-cache-dtype fp8``,
-``fp8_e4m3``, ``fp8_e5m2``: ``uint8`` codes and the layer's per-tensor
-``_k_scale_float``/``_v_scale_float``), decoding and scaling as vLLM's CPU op
-does (``kernels/fp8.py``). On CUDA a quantized cache stays refused: vLLM
-hands the Triton backend fp8-quantized queries there, which the tree kernel
-does not read, and its fp8 path has run only in Triton's interpreter.
+The tree paths also read an fp8 KV cache (``uint8`` codes and the layer's
+per-tensor ``_k_scale_float``/``_v_scale_float``, fixed once the weights are
+loaded), decoding and scaling as vLLM's own ops do (``kernels/fp8.py``): on
+CPU ``--kv-cache-dtype fp8``, ``fp8_e4m3`` and ``fp8_e5m2``; on CUDA ``fp8``
+and ``fp8_e4m3`` (vLLM's Triton backend reads every fp8 cache as e4m3), with
+the queries kept in the model dtype (``supports_quant_query_input`` off, so
+vLLM does not quantize them; the stock kernel takes them as they are).
 
 Both tree paths serve sliding-window layers (the window counted in logical
 positions, so a tree node at depth ``d`` measures it from ``ctx_len + d``,
@@ -107,6 +108,9 @@ CUDA_BACKEND_NAME = "DDTREE"
 CUDA_BACKEND_PATH = "vllm_ddtree.attention.DDTreeTritonAttentionBackend"
 CPU_TREE_ISAS = ("vec", "vec16")
 UNQUANTIZED_TREE_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
+# fp8 KV caches the CUDA tree path reads: vLLM's Triton backend views every
+# fp8 cache as the platform's e4m3 type, so fp8_e5m2 codes are not its format.
+CUDA_FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 
 # ---------------------------------------------------------------------------
@@ -429,14 +433,25 @@ if TritonAttentionBackend is not None:
     class DDTreeTritonAttentionImpl(TreeAttentionImplMixin, TritonAttentionImpl):
         _kernel_module: ClassVar[Any] = None
 
+        TREE_KV_CACHE_DTYPES: ClassVar[tuple[str, ...]] = (UNQUANTIZED_TREE_KV_CACHE_DTYPES
+                                                           + CUDA_FP8_KV_CACHE_DTYPES)
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            if self.tree_kv_quant is not None:
+                # vLLM would hand this backend fp8-quantized queries; the tree
+                # kernel reads them in the model dtype (the stock kernel takes
+                # either, dequantizing K/V with the same per-tensor scales).
+                self.supports_quant_query_input = False
+
         def tree_unsupported_reason(self) -> str | None:
             if self.chunk_lookback > -1:
                 return "chunked attention with lookback"
-            if self.kv_cache_dtype in KV_CACHE_DTYPE_KINDS:
-                return (f"kv_cache_dtype {self.kv_cache_dtype} on CUDA (not tested: the "
-                        f"Triton tree kernel's fp8 path has run only in Triton's "
-                        f"interpreter, and vLLM quantizes this backend's queries to fp8, "
-                        f"which the tree kernel does not read)")
+            if (self.kv_cache_dtype in KV_CACHE_DTYPE_KINDS
+                    and self.kv_cache_dtype not in CUDA_FP8_KV_CACHE_DTYPES):
+                return (f"kv_cache_dtype {self.kv_cache_dtype} on CUDA (vLLM's Triton "
+                        f"backend reads every fp8 cache as the platform's e4m3 type; "
+                        f"use fp8 or fp8_e4m3)")
             return super().tree_unsupported_reason()
 
         def _step_unsupported_reason(self, attn_metadata, output_scale, output_block_scale):
@@ -478,12 +493,14 @@ if TritonAttentionBackend is not None:
             key_cache, value_cache = self.tree_kv_views(kv_cache)
             n = attn_metadata.num_actual_tokens
             window = self.tree_sliding_window()
+            k_scale, v_scale = self.tree_kv_scales(layer)
             self._kernel().tree_attention(
                 query[:n], key_cache, value_cache, attn_metadata.block_table,
                 attn_metadata.query_start_loc, attn_metadata.seq_lens, self.scale,
                 info.mask, info.is_tree, output=output[:n],
                 max_query_len=attn_metadata.max_query_len, sliding_window=window,
                 sinks=self.sinks, depth=_step_depth(info, window),
+                kv_quant=self.tree_kv_quant, k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
             return output
 
@@ -501,7 +518,8 @@ if TritonAttentionBackend is not None:
     class DDTreeTritonAttentionBackend(TritonAttentionBackend):
         """``TRITON_ATTN`` plus the tree kernel, registered as ``DDTREE``."""
 
-        supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16"]
+        supported_kv_cache_dtypes: ClassVar[list] = [*UNQUANTIZED_TREE_KV_CACHE_DTYPES,
+                                                     *CUDA_FP8_KV_CACHE_DTYPES]
 
         @staticmethod
         def get_name() -> str:

@@ -17,27 +17,32 @@ Arms
 
 Measurement
     A *trial* runs one arm at one batch size (requests decoding) for at least
-    ``min_steps`` counted steps and ``trial_seconds`` of engine time, so that
+    ``min_steps`` counted steps and ``trial_seconds`` of engine time in
+    typical steps (their number times the typical step time below), so that
     every trial weighs the same in time whatever its steps cost; the runner
     reports every step's committed tokens and its seconds (from the step's
     start to the next step's: the engine's own work between steps differs
-    between arms too). The first step
-    of a trial is not counted (it still verifies what the previous arm
-    chose), nor are steps that prefill. A trial's rate is its mean committed
-    tokens per request per step over its median step time (tokens per second
+    between arms too). The first step of a trial is not counted (it still
+    verifies what the previous arm chose), nor are steps that prefill. A
+    trial's rate is its mean committed tokens per request per step over its
+    typical step time, the 30th percentile of its steps (tokens per second
     per request, so that a batch that shrinks inside a bucket as requests
-    finish does not favour the arm that ran first; the median, so that a step
-    stalled by another process on a busy machine does not decide). When the
-    batch size leaves the trial's bucket (requests finish, others arrive) the
+    finish does not favour the arm that ran first; a low quantile, so that
+    steps stalled by another process on a busy machine do not decide, even
+    half of a short trial's). When the batch size leaves the trial's bucket
+    (requests finish, others arrive) the
     trial ends there and counts if it has ``min_close`` counted steps.
 
 Choice, per batch-size bucket (1, 2-7, 8-31, 32-127, ...)
     Each arm keeps a decayed mean of its trials' rates and a discounted
     count of its trials (every trial multiplies all counts by ``discount``).
-    A new bucket first tries the arms once each, middle of the budget ladder
-    outwards (a fixed arm whose fixed neighbours on the ladder both measured
-    more than ``prune`` below the best is skipped; plain and the model are
-    always tried). Then every trial runs the arm with
+    A new bucket first tries the arms once each: plain, the model, then the
+    budget ladder from its middle outwards, skipping a fixed arm that lies
+    beyond one measured more than ``prune`` below the best (budgets are taken
+    to rise to one peak and fall) or whose neighbours both did. A trial of an
+    arm other than the best that runs more than ``prune`` below the best
+    ends after ``min_close`` counted steps: exploration spends its steps
+    where they are cheap. Then every trial runs the arm with
     the highest upper confidence bound on its rate relative to the best,
     ``rate / best + explore * sqrt(ln N / n)``: the best runs almost always,
     an arm close to it is re-measured now and then, one far below it rarely,
@@ -100,6 +105,15 @@ def bucket_range(bucket: int) -> tuple[int, int | None]:
     lo = _BUCKET_STARTS[bucket]
     hi = _BUCKET_STARTS[bucket + 1] - 1 if bucket + 1 < len(_BUCKET_STARTS) else None
     return lo, hi
+
+
+def _typical(step_seconds: list[float]) -> float:
+    """A step's typical time: the 30th percentile of the trial's steps. Other
+    processes only ever lengthen steps, so a low quantile stays put even when
+    half of a short trial's steps were stalled; for the spread of one arm's
+    own steps it is within a few per cent of the median."""
+    ordered = sorted(step_seconds)
+    return ordered[int(0.3 * (len(ordered) - 1))]
 
 
 @dataclass
@@ -184,7 +198,7 @@ class RateTuner:
         trial.per_request += tokens / num_reqs
         trial.seconds += seconds
         trial.step_seconds.append(seconds)
-        if trial.counted >= self.min_steps and trial.seconds >= self.trial_seconds:
+        if self._long_enough(trial) or self._far_behind(trial):
             self._close(trial)
             self._trial = None
 
@@ -218,10 +232,33 @@ class RateTuner:
             self._close(trial)
         self._trial = None
 
+    @staticmethod
+    def _rate(trial: _Trial) -> float:
+        # tokens per request per step over the typical step time: steps
+        # stalled by something outside the engine (a busy machine) do not decide
+        return trial.per_request / trial.counted / _typical(trial.step_seconds)
+
+    def _long_enough(self, trial: _Trial) -> bool:
+        """``min_steps`` counted steps and ``trial_seconds`` of typical steps
+        (counted steps times their typical time: stalls do not shorten a trial)."""
+        return (trial.counted >= self.min_steps and trial.seconds >= self.trial_seconds
+                and trial.counted * _typical(trial.step_seconds) >= self.trial_seconds)
+
+    def _far_behind(self, trial: _Trial) -> bool:
+        """A trial of an arm other than the bucket's best that, after
+        ``min_close`` counted steps, delivers less than ``1 - prune`` of the
+        best: it ends there (an arm far behind costs the most per step of
+        exploration, and a few steps already tell it is not the best)."""
+        if trial.counted < self.min_close:
+            return False
+        bucket = self._buckets[trial.bucket]
+        best = self._best_name(bucket)
+        if best is None or best == trial.arm.name:
+            return False
+        return self._rate(trial) < (1 - self.prune) * bucket.stats[best].rate
+
     def _close(self, trial: _Trial) -> None:
-        # tokens per request per step over the median step time: a step
-        # stalled by something outside the engine (a busy machine) does not decide
-        rate = trial.per_request / trial.counted / statistics.median(trial.step_seconds)
+        rate = self._rate(trial)
         bucket = self._buckets[trial.bucket]
         for st in bucket.stats.values():
             st.weight *= self.discount
@@ -262,15 +299,16 @@ class RateTuner:
         return self._by_name[max(measured, key=score)]
 
     def _cold_order(self) -> list[str]:
-        """Middle of the budget ladder first, then outwards; plain and model last."""
+        """Plain first (the cheapest trial, and the rate every tree must beat),
+        then the model, then the budget ladder from its middle outwards."""
         ladder = [a.name for a in self.arms if a.kind == "fixed"]
         mid = len(ladder) // 2
-        order = [ladder[mid]]
+        order = [a.name for a in self.arms if a.kind != "fixed"] + [ladder[mid]]
         for d in range(1, len(ladder)):
             for i in (mid - d, mid + d):
                 if 0 <= i < len(ladder):
                     order.append(ladder[i])
-        return order + [a.name for a in self.arms if a.name not in order]
+        return order
 
     def _ladder_neighbours(self, name: str) -> list[str]:
         ladder = [a.name for a in self.arms if a.kind != "model"]  # plain, fixed ...
@@ -280,13 +318,25 @@ class RateTuner:
         return [ladder[j] for j in (i - 1, i + 1) if 0 <= j < len(ladder)]
 
     def _dominated(self, bucket: _Bucket, name: str, best_rate: float) -> bool:
-        """A fixed arm whose ladder neighbours both measured far below the
-        best: skip it (plain and the model are always tried: plain skips the
-        drafter, so its neighbour on the ladder says little about it)."""
+        """A fixed arm not worth a cold-start trial: its ladder neighbours
+        both measured far (more than ``prune``) below the best, or a fixed
+        arm between it and the best-measured fixed arm did (the rate of a
+        budget is taken to rise to one peak and fall: past an arm far below
+        the best, budgets further out are further below). Plain and the model
+        are always tried: plain skips the drafter, so its neighbour on the
+        ladder says little about it."""
         if self._by_name[name].kind != "fixed":
             return False
+        floor = (1 - self.prune) * best_rate
+        rate = {n: st.rate for n, st in bucket.stats.items() if st.rate is not None}
         nbrs = [n for n in self._ladder_neighbours(name) if self._by_name[n].kind == "fixed"]
-        rates = [bucket.stats[n].rate for n in nbrs
-                 if n in bucket.stats and bucket.stats[n].rate is not None]
-        return (len(rates) == len(nbrs) and len(rates) > 0
-                and max(rates) < (1 - self.prune) * best_rate)
+        if nbrs and all(n in rate for n in nbrs) and max(rate[n] for n in nbrs) < floor:
+            return True
+        ladder = [a.name for a in self.arms if a.kind == "fixed"]
+        measured = [i for i, n in enumerate(ladder) if n in rate]
+        if not measured:
+            return False
+        peak = max(measured, key=lambda i: rate[ladder[i]])
+        j = ladder.index(name)
+        between = range(peak + 1, j) if j > peak else range(j + 1, peak)
+        return any(ladder[i] in rate and rate[ladder[i]] < floor for i in between)

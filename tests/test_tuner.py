@@ -178,3 +178,25 @@ def test_stalled_steps_do_not_shorten_or_decide_a_trial():
     tuner.observe(1, 1.0, 0.01)
     tuner.observe(1, 1.0, 0.01)
     assert tuner.rates(1) == {arm.name: pytest.approx(100.0)}
+
+
+def test_an_arm_mixing_cheap_and_expensive_steps_is_timed_in_full():
+    """The model arm runs mostly plain steps and now and then a large tree
+    step. Timed at its typical step alone it would look faster than plain
+    (the tree steps' tokens counted, their time not); timed kind by kind it
+    is what it delivers."""
+    tuner = RateTuner(4, trial_seconds=0.05, min_steps=8)
+    rng = random.Random(0)
+    for _ in range(400):
+        arm = tuner.arm(1)
+        if arm.name == "plain":
+            tok, sec, verified = 1.0, 3.2e-3, 1
+        elif arm.name == "model":  # 1 step in 20 verifies a tree: 4 tokens in 30 ms
+            tree = rng.random() < 0.05
+            tok, sec, verified = (4.0, 30e-3, 17) if tree else (1.0, 3e-3, 1)
+        else:
+            tok, sec, verified = 2.0, 12e-3, 1 + arm.budget
+        tuner.observe(1, tok, sec, verified=verified)
+    rates = tuner.rates(1)
+    assert tuner.best(1) == Arm("plain"), rates
+    assert rates["model"] == pytest.approx(1.15 / 4.35e-3, rel=0.2)

@@ -742,9 +742,9 @@ class DDTreeRunnerMixin:
                 # the whole cycle from this step's start to the next one's: the
                 # engine's work between steps differs between arms (drafts to
                 # schedule and check), and an idle gap, rare under load, is an
-                # outlier the tuner's median ignores
+                # outlier the tuner's typical step time ignores
                 self.ddtree_tuner.observe(last["reqs"], last["emitted"], now - last["start"],
-                                          counted=last["decoding"])
+                                          counted=last["decoding"], verified=last["tokens"])
                 self._ddtree_log_best(last["reqs"])
         total = scheduler_output.total_num_scheduled_tokens
         if total:

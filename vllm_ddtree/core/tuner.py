@@ -24,12 +24,15 @@ Measurement
     start to the next step's: the engine's own work between steps differs
     between arms too). The first step of a trial is not counted (it still
     verifies what the previous arm chose), nor are steps that prefill. A
-    trial's rate is its mean committed tokens per request per step over its
-    typical step time, the 30th percentile of its steps (tokens per second
-    per request, so that a batch that shrinks inside a bucket as requests
-    finish does not favour the arm that ran first; a low quantile, so that
-    steps stalled by another process on a busy machine do not decide, even
-    half of a short trial's). When the batch size leaves the trial's bucket
+    trial's rate is its committed tokens per request, summed over its steps,
+    over its steps' typical time (tokens per second per request, so that a
+    batch that shrinks inside a bucket as requests finish does not favour
+    the arm that ran first). Steps are timed by kind, the number of tokens
+    they verify in powers of two, each kind at the 30th percentile of its
+    steps: a low quantile, so that steps stalled by another process on a busy
+    machine do not decide, even half of a short trial's; by kind, so that
+    the rare expensive tree steps of an arm that mixes them with plain steps
+    (the model) count in full. When the batch size leaves the trial's bucket
     (requests finish, others arrive) the
     trial ends there and counts if it has ``min_close`` counted steps.
 
@@ -116,6 +119,12 @@ def _typical(step_seconds: list[float]) -> float:
     return ordered[int(0.3 * (len(ordered) - 1))]
 
 
+def _typical_seconds(trial: "_Trial") -> float:
+    """The trial's counted steps timed at their kind's typical step: what
+    they would have taken without stalls, whatever mix of kinds they are."""
+    return sum(len(times) * _typical(times) for times in trial.step_seconds.values())
+
+
 @dataclass
 class _ArmStats:
     rate: float | None = None  # decayed mean of trial rates, tokens/s
@@ -138,7 +147,10 @@ class _Trial:
     counted: int = 0
     per_request: float = 0.0  # sum over counted steps of tokens / requests
     seconds: float = 0.0
-    step_seconds: list[float] = field(default_factory=list)
+    # counted steps' seconds by the size of their verification (query tokens,
+    # in powers of two): an arm that mixes kinds of steps (the model's plain
+    # steps and tree steps) is timed kind by kind
+    step_seconds: dict[int, list[float]] = field(default_factory=dict)
 
 
 class RateTuner:
@@ -179,10 +191,13 @@ class RateTuner:
         self._trial = _Trial(arm, b)
         return arm
 
-    def observe(self, num_reqs: int, tokens: float, seconds: float, counted: bool = True) -> None:
+    def observe(self, num_reqs: int, tokens: float, seconds: float, counted: bool = True,
+                verified: int | None = None) -> None:
         """One step of the current trial: its committed tokens and seconds.
         ``counted`` False (a prefill in the step, or nothing decoding) leaves
-        the trial's numbers alone."""
+        the trial's numbers alone. ``verified``: the step's query tokens
+        (requests plus draft nodes), which sorts steps into kinds timed
+        apart (None: one kind)."""
         if tokens < 0 or seconds < 0:
             raise ValueError("RateTuner.observe: tokens and seconds must be >= 0")
         trial = self._trial
@@ -197,7 +212,8 @@ class RateTuner:
         trial.counted += 1
         trial.per_request += tokens / num_reqs
         trial.seconds += seconds
-        trial.step_seconds.append(seconds)
+        kind = int(verified).bit_length() if verified else 0
+        trial.step_seconds.setdefault(kind, []).append(seconds)
         if self._long_enough(trial) or self._far_behind(trial):
             self._close(trial)
             self._trial = None
@@ -236,13 +252,13 @@ class RateTuner:
     def _rate(trial: _Trial) -> float:
         # tokens per request per step over the typical step time: steps
         # stalled by something outside the engine (a busy machine) do not decide
-        return trial.per_request / trial.counted / _typical(trial.step_seconds)
+        return trial.per_request / _typical_seconds(trial)
 
     def _long_enough(self, trial: _Trial) -> bool:
         """``min_steps`` counted steps and ``trial_seconds`` of typical steps
         (counted steps times their typical time: stalls do not shorten a trial)."""
         return (trial.counted >= self.min_steps and trial.seconds >= self.trial_seconds
-                and trial.counted * _typical(trial.step_seconds) >= self.trial_seconds)
+                and _typical_seconds(trial) >= self.trial_seconds)
 
     def _far_behind(self, trial: _Trial) -> bool:
         """A trial of an arm other than the bucket's best that, after

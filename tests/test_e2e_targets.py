@@ -5,9 +5,7 @@
   window in all layers or none): the tree kernels apply the window from each
   node's own depth position. Greedy DDTree equals plain decoding. (Targets
   that mix window and full layers put them in two KV-cache groups, each
-  compacted by its own slots: ``tests/test_tree_attention_utils.py`` and the
-  kernel tests cover the pieces; no small mixed-layer model vLLM CPU serves
-  was at hand.)
+  compacted by its own slots: the gpt-oss target below.)
 * A Mixture-of-Experts target (``Qwen3MoeForCausalLM``, made from the bundled
   target without training: ``benchmarks/tiny_pair/moe.py``): greedy DDTree
   equals plain decoding, and the bundled drafter keeps its acceptance.
@@ -19,6 +17,14 @@
   fp8 rounding boundary; every prompt's first divergence must be a near-tie
   under an fp32 rescoring, at the scale that stock fp8 itself moves the
   target's choices (plain fp8 against plain fp32, ``tests/near_ties.py``).
+* A Llama target (``LlamaForCausalLM``, no q/k norms, llama3 RoPE scaling)
+  and a gpt-oss target (``GptOssForCausalLM``: sliding-window layers
+  alternating with full ones, so KV-cache groups compacted each by its
+  own slots; attention sinks; q/k/v/o biases; a mixture of experts with
+  gpt-oss's clamped SwiGLU), both made from the bundled target without
+  training (``benchmarks/tiny_pair/folded.py``: the q/k norms folded into the
+  projections), close enough to it that the bundled drafter's accepted paths
+  reach depth 2 and beyond. Greedy DDTree equals plain decoding.
 """
 
 from __future__ import annotations
@@ -115,3 +121,35 @@ def test_fp8_kv_cache(tmp_path):
     bad = [d for d in divs if not d.near_tie(FP8_NEAR_TIE)]
     assert not bad, f"DDTree diverges where the target is not at a near-tie: {describe(bad)}"
     assert len(prompts) - len(divs) >= len(prompts) // 2, "too few identical prompts"
+
+
+def _assert_deep_acceptance(tree: dict, what: str) -> None:
+    per_pos = tree["spec"]["accepted_per_pos"]
+    assert per_pos and len(per_pos) > 2 and per_pos[1] > 0, f"{what}: {tree['spec']}"
+    assert tree["spec"]["tau"] > 1.8, f"{what}: {tree['spec']}"
+
+
+def test_llama_target(tmp_path):
+    from benchmarks.tiny_pair.folded import make_target
+
+    target = make_target("llama", tmp_path / "models")
+    cfg = json.loads((target / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert cfg["rope_parameters"]["rope_type"] == "llama3"
+    plain, tree = _plain_and_tree(str(target), f"{target}-dflash", tmp_path)
+    _assert_identical(plain, tree, "Llama target")
+    _assert_deep_acceptance(tree, "Llama target")
+
+
+def test_gpt_oss_target(tmp_path):
+    from benchmarks.tiny_pair.folded import GPT_OSS_WINDOW, make_target
+
+    target = make_target("gpt_oss", tmp_path / "models")
+    cfg = json.loads((target / "config.json").read_text())
+    assert cfg["architectures"] == ["GptOssForCausalLM"]
+    assert set(cfg["layer_types"]) == {"sliding_attention", "full_attention"}
+    plain, tree = _plain_and_tree(str(target), f"{target}-dflash", tmp_path)
+    # every request's context outgrows the window of the sliding layers
+    assert min(len(p) for p in plain["prompt_ids"]) > GPT_OSS_WINDOW
+    _assert_identical(plain, tree, "gpt-oss target")
+    _assert_deep_acceptance(tree, "gpt-oss target")

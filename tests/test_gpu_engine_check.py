@@ -33,7 +33,8 @@ def test_dry_run_plans_every_step(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert report["dry_run"] and report["ok"]
     steps = report["steps"]
-    assert list(steps) == ["greedy_dense", "greedy_hybrid", "sampling_pit", "guards", "serve"]
+    assert list(steps) == ["greedy_dense", "greedy_hybrid", "greedy_fp8", "sampling_pit",
+                           "guards", "serve"]
     assert all(s["status"] == "planned" for s in steps.values())
     assert steps["greedy_dense"]["configs_checked"] == ["chain", "ddtree_fixed16",
                                                         "ddtree_default"]

@@ -182,21 +182,72 @@ def test_stalled_steps_do_not_shorten_or_decide_a_trial():
 
 def test_an_arm_mixing_cheap_and_expensive_steps_is_timed_in_full():
     """The model arm runs mostly plain steps and now and then a large tree
-    step. Timed at its typical step alone it would look faster than plain
-    (the tree steps' tokens counted, their time not); timed kind by kind it
-    is what it delivers."""
+    step, after a plain step in which the drafter ran. Timed at its typical
+    step alone it would look faster than plain (the tree steps' tokens
+    counted, their time and the drafter's not); timed kind by kind (tokens
+    verified, drafter run or not) it is what it delivers."""
     tuner = RateTuner(4, trial_seconds=0.05, min_steps=8)
     rng = random.Random(0)
-    for _ in range(400):
+    tree_next = False
+    for _ in range(600):
         arm = tuner.arm(1)
+        drafted = False
         if arm.name == "plain":
             tok, sec, verified = 1.0, 3.2e-3, 1
-        elif arm.name == "model":  # 1 step in 20 verifies a tree: 4 tokens in 30 ms
-            tree = rng.random() < 0.05
-            tok, sec, verified = (4.0, 30e-3, 17) if tree else (1.0, 3e-3, 1)
+        elif arm.name == "model":  # 1 step in 20 drafts; the next verifies a tree
+            if tree_next:
+                tok, sec, verified, tree_next = 4.0, 30e-3, 17, False
+            elif rng.random() < 0.05:
+                tok, sec, verified, drafted, tree_next = 1.0, 8e-3, 1, True, True
+            else:
+                tok, sec, verified = 1.0, 3e-3, 1
         else:
-            tok, sec, verified = 2.0, 12e-3, 1 + arm.budget
-        tuner.observe(1, tok, sec, verified=verified)
+            tok, sec, verified, drafted = 2.0, 12e-3, 1 + arm.budget, True
+        tuner.observe(1, tok, sec, verified=verified, drafted=drafted)
     rates = tuner.rates(1)
     assert tuner.best(1) == Arm("plain"), rates
-    assert rates["model"] == pytest.approx(1.15 / 4.35e-3, rel=0.2)
+    # per 21 steps: 19 plain (3 ms), 1 drafting (8 ms), 1 tree step (4 tokens, 30 ms)
+    assert rates["model"] == pytest.approx(24 / (19 * 3e-3 + 8e-3 + 30e-3), rel=0.15)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_rate_that_drifts_for_every_arm_alike_does_not_decide(seed):
+    """Every arm slows down together as the requests' contexts grow (here
+    to a third over the run); plain stays 10 % ahead of the model throughout.
+    Compared trial against trial minutes apart, an arm measured early would
+    look faster than the incumbent measured now; compared against the
+    incumbent's latest trial, plain stays chosen."""
+    def rates(t, reqs):
+        slow = 1.0 / (1.0 + 2.0 * t / 6000)
+        base = {"plain": 330.0, "model": 300.0, "fixed2": 200.0, "fixed4": 250.0,
+                "fixed8": 280.0, "fixed16": 260.0}
+        return {k: v * slow for k, v in base.items()}
+
+    tuner = RateTuner(16)
+    chosen, _, _ = _run(tuner, rates, 6000, seed=seed, stalls=0.0)
+    assert tuner.best(4) == Arm("plain")
+    assert chosen[1000:].count("plain") / 5000 > 0.85, {n: chosen[1000:].count(n)
+                                                       for n in ("plain", "model", "fixed8")}
+
+
+def test_back_in_a_bucket_after_a_while_the_incumbent_runs_first():
+    """A challenger is compared with a recent trial of the incumbent: after
+    the load spent longer than ``stale_seconds`` elsewhere (contexts grew,
+    the machine changed), the incumbent is measured again first."""
+    rates = dict(RATES, plain=400.0)
+    tuner = RateTuner(16, trial_seconds=0.05)
+    _run(tuner, lambda t, r: rates, 600, reqs_at=lambda t: 1, stalls=0.0)
+    assert tuner.best(1) == Arm("plain")
+    _run(tuner, lambda t, r: rates, 600, reqs_at=lambda t: 16, stalls=0.0)  # > 0.5 s elsewhere
+    assert tuner.arm(1) == Arm("plain")
+    # a challenger's trial that began long after the incumbent's latest one
+    # changes no relative rate (a trial forced on the tuner, as no policy would run it)
+    from vllm_ddtree.core.tuner import _Trial
+
+    before = tuner.rates(1)
+    tuner.observe(1, 0.0, 10.0, counted=False)  # 10 s of engine time pass
+    tuner._trial = _Trial(Arm("fixed", 8), 0)
+    for _ in range(20):
+        tuner.observe(1, 3.0, 0.01)
+    assert tuner.rates(1)["fixed8"] == pytest.approx(before["fixed8"])
+    assert tuner.history[-1][1] == "fixed8"  # the trial did close

@@ -548,7 +548,9 @@ class DDTreeRunnerMixin:
         if self.ddtree_step is not None:
             self.ddtree_step["end"] = time.perf_counter()
         self._ddtree_flush_stats()
-        return torch.zeros(num_reqs, self.ddtree.budget, dtype=torch.long, device=self.device)
+        # No drafts as lists (vLLM's path for host-side proposers): nothing to
+        # copy to the host and turn into num_reqs x budget Python ints.
+        return [[] for _ in range(num_reqs)]
 
     def _ddtree_store_pending_context(self) -> None:
         """The drafter's context K/V of the tokens of plain steps since it last
@@ -744,7 +746,8 @@ class DDTreeRunnerMixin:
                 # schedule and check), and an idle gap, rare under load, is an
                 # outlier the tuner's typical step time ignores
                 self.ddtree_tuner.observe(last["reqs"], last["emitted"], now - last["start"],
-                                          counted=last["decoding"], verified=last["tokens"])
+                                          counted=last["decoding"], verified=last["tokens"],
+                                          drafted="draft" in last)
                 self._ddtree_log_best(last["reqs"])
         total = scheduler_output.total_num_scheduled_tokens
         if total:

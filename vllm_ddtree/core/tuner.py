@@ -27,8 +27,9 @@ Measurement
     trial's rate is its committed tokens per request, summed over its steps,
     over its steps' typical time (tokens per second per request, so that a
     batch that shrinks inside a bucket as requests finish does not favour
-    the arm that ran first). Steps are timed by kind, the number of tokens
-    they verify in powers of two, each kind at the 30th percentile of its
+    the arm that ran first). Steps are timed by kind (the number of tokens
+    they verify in powers of two, and whether the drafter ran in them), each
+    kind at the 30th percentile of its
     steps: a low quantile, so that steps stalled by another process on a busy
     machine do not decide, even half of a short trial's; by kind, so that
     the rare expensive tree steps of an arm that mixes them with plain steps
@@ -37,8 +38,18 @@ Measurement
     trial ends there and counts if it has ``min_close`` counted steps.
 
 Choice, per batch-size bucket (1, 2-7, 8-31, 32-127, ...)
-    Each arm keeps a decayed mean of its trials' rates and a discounted
-    count of its trials (every trial multiplies all counts by ``discount``).
+    One arm is the incumbent. Every other arm keeps a decayed mean of its
+    rate *relative to the incumbent's latest trial*, which ran just before
+    its own (the incumbent runs almost always): a request's rate drifts as
+    its context grows, every arm's alike, and paired comparisons do not see
+    the drift, where comparing trials run minutes apart would favour
+    whichever arm was measured earlier. A challenger whose relative rate
+    passes 1 becomes the incumbent, and the relative rates are re-based on
+    it. A challenger is compared only with an incumbent trial that ended at
+    most ``stale_seconds`` of engine time before it began (10 trials' worth by
+    default); when the load comes back to a bucket after longer, the
+    incumbent runs first. Each arm also keeps a discounted count of its trials (every trial
+    multiplies all counts by ``discount``).
     A new bucket first tries the arms once each: plain, the model, then the
     budget ladder from its middle outwards, skipping a fixed arm that lies
     beyond one measured more than ``prune`` below the best (budgets are taken
@@ -127,7 +138,9 @@ def _typical_seconds(trial: "_Trial") -> float:
 
 @dataclass
 class _ArmStats:
-    rate: float | None = None  # decayed mean of trial rates, tokens/s
+    rel: float | None = None  # decayed mean of its rate over the best arm's latest
+    last: float | None = None  # its latest trial's rate, tokens/s per request
+    at: float = -math.inf  # engine time when its latest trial ended
     trials: int = 0
     weight: float = 0.0  # discounted number of trials
 
@@ -137,6 +150,7 @@ class _Bucket:
     stats: dict[str, _ArmStats] = field(default_factory=dict)
     trials: int = 0
     order: list[str] = field(default_factory=list)  # cold-start order
+    best: str | None = None  # the incumbent: every relative rate is over its latest
 
 
 @dataclass
@@ -147,10 +161,11 @@ class _Trial:
     counted: int = 0
     per_request: float = 0.0  # sum over counted steps of tokens / requests
     seconds: float = 0.0
-    # counted steps' seconds by the size of their verification (query tokens,
-    # in powers of two): an arm that mixes kinds of steps (the model's plain
-    # steps and tree steps) is timed kind by kind
-    step_seconds: dict[int, list[float]] = field(default_factory=dict)
+    # counted steps' seconds by kind: the size of their verification (query
+    # tokens, in powers of two) and whether the drafter ran; an arm that mixes
+    # kinds of steps (the model's plain steps, drafting steps and tree steps)
+    # is timed kind by kind
+    step_seconds: dict[tuple[int, bool], list[float]] = field(default_factory=dict)
 
 
 class RateTuner:
@@ -158,7 +173,8 @@ class RateTuner:
 
     def __init__(self, budget: int, trial_seconds: float = 0.3, min_steps: int = 8,
                  min_close: int = 3, explore: float = 0.05, discount: float = 0.985,
-                 decay: float = 0.25, prune: float = 0.25, with_model: bool = True) -> None:
+                 decay: float = 0.25, prune: float = 0.25, with_model: bool = True,
+                 stale_seconds: float | None = None) -> None:
         if budget < 1:
             raise ValueError(f"RateTuner: budget must be >= 1, got {budget}")
         if trial_seconds <= 0 or min_steps < 1:
@@ -171,11 +187,13 @@ class RateTuner:
         self.discount = discount
         self.decay = decay
         self.prune = prune
+        self.stale_seconds = 10 * trial_seconds if stale_seconds is None else stale_seconds
         self.arms = ([Arm("plain")] + [Arm("fixed", b) for b in budget_ladder(budget)]
                      + ([Arm("model", budget)] if with_model else []))
         self._by_name = {a.name: a for a in self.arms}
         self._buckets: dict[int, _Bucket] = {}
         self._trial: _Trial | None = None
+        self._clock = 0.0  # engine time: the sum of every reported step's seconds
         self.history: list[tuple[int, str, float]] = []  # (bucket, arm, rate) per trial
 
     # ------------------------------------------------------------ decisions
@@ -192,14 +210,15 @@ class RateTuner:
         return arm
 
     def observe(self, num_reqs: int, tokens: float, seconds: float, counted: bool = True,
-                verified: int | None = None) -> None:
+                verified: int | None = None, drafted: bool = False) -> None:
         """One step of the current trial: its committed tokens and seconds.
         ``counted`` False (a prefill in the step, or nothing decoding) leaves
-        the trial's numbers alone. ``verified``: the step's query tokens
-        (requests plus draft nodes), which sorts steps into kinds timed
-        apart (None: one kind)."""
+        the trial's numbers alone. ``verified`` (the step's query tokens:
+        requests plus draft nodes) and ``drafted`` (the drafter ran in the
+        step) sort steps into kinds timed apart (None, False: one kind)."""
         if tokens < 0 or seconds < 0:
             raise ValueError("RateTuner.observe: tokens and seconds must be >= 0")
+        self._clock += seconds
         trial = self._trial
         if trial is None:
             return
@@ -212,7 +231,7 @@ class RateTuner:
         trial.counted += 1
         trial.per_request += tokens / num_reqs
         trial.seconds += seconds
-        kind = int(verified).bit_length() if verified else 0
+        kind = (int(verified).bit_length() if verified else 0, bool(drafted))
         trial.step_seconds.setdefault(kind, []).append(seconds)
         if self._long_enough(trial) or self._far_behind(trial):
             self._close(trial)
@@ -223,15 +242,17 @@ class RateTuner:
         bucket = self._buckets.get(bucket_of(num_reqs))
         if bucket is None:
             return None
-        name = self._best_name(bucket)
-        return self._by_name[name] if name else None
+        return self._by_name[bucket.best] if bucket.best else None
 
     def rates(self, num_reqs: int) -> dict[str, float]:
-        """Measured rates of the arms in this bucket (tokens/s per request)."""
+        """Measured rates of the arms in this bucket (tokens/s per request), at
+        the load of the best arm's latest trial: its own rate, and every other
+        arm's relative rate times it."""
         bucket = self._buckets.get(bucket_of(num_reqs))
-        if bucket is None:
+        if bucket is None or bucket.best is None:
             return {}
-        return {n: s.rate for n, s in bucket.stats.items() if s.rate is not None}
+        ref = bucket.stats[bucket.best].last
+        return {n: s.rel * ref for n, s in bucket.stats.items() if s.rel is not None}
 
     def last_measured(self) -> tuple[int, dict[str, float]] | None:
         """The bucket of the last trial that closed, with its arms' rates."""
@@ -254,6 +275,11 @@ class RateTuner:
         # stalled by something outside the engine (a busy machine) do not decide
         return trial.per_request / _typical_seconds(trial)
 
+    def _stale(self, st: _ArmStats, before: float = 0.0) -> bool:
+        """Whether ``st``'s latest trial ended more than ``stale_seconds`` of
+        engine time before now (less ``before``: a trial's own length)."""
+        return self._clock - before - st.at > self.stale_seconds
+
     def _long_enough(self, trial: _Trial) -> bool:
         """``min_steps`` counted steps and ``trial_seconds`` of typical steps
         (counted steps times their typical time: stalls do not shorten a trial)."""
@@ -268,49 +294,67 @@ class RateTuner:
         if trial.counted < self.min_close:
             return False
         bucket = self._buckets[trial.bucket]
-        best = self._best_name(bucket)
+        best = bucket.best
         if best is None or best == trial.arm.name:
             return False
-        return self._rate(trial) < (1 - self.prune) * bucket.stats[best].rate
+        return self._rate(trial) < (1 - self.prune) * bucket.stats[best].last
 
     def _close(self, trial: _Trial) -> None:
         rate = self._rate(trial)
         bucket = self._buckets[trial.bucket]
         for st in bucket.stats.values():
             st.weight *= self.discount
-        st = bucket.stats.setdefault(trial.arm.name, _ArmStats())
-        st.rate = rate if st.rate is None else (1 - self.decay) * st.rate + self.decay * rate
+        name = trial.arm.name
+        st = bucket.stats.setdefault(name, _ArmStats())
+        st.last = rate
+        st.at = self._clock
         st.trials += 1
         st.weight += 1.0
         bucket.trials += 1
-        self.history.append((trial.bucket, trial.arm.name, rate))
-
-    def _best_name(self, bucket: _Bucket) -> str | None:
-        measured = [(s.rate, n) for n, s in bucket.stats.items() if s.rate is not None]
-        return max(measured)[1] if measured else None
+        self.history.append((trial.bucket, name, rate))
+        if bucket.best is None or bucket.best == name:
+            bucket.best, st.rel = name, 1.0  # the incumbent sets the scale
+            return
+        # A challenger is judged against the incumbent's latest trial, which
+        # ran just before it (the incumbent runs almost always): both saw the
+        # same load and context lengths, so a rate that drifts as requests
+        # grow (every arm slows down together) does not decide.
+        incumbent = bucket.stats[bucket.best]
+        if self._stale(incumbent, before=trial.seconds):
+            return  # no recent trial of the incumbent to compare with
+        ratio = rate / incumbent.last
+        st.rel = ratio if st.rel is None else (1 - self.decay) * st.rel + self.decay * ratio
+        if st.rel > 1.0:  # a new incumbent: every relative rate is re-based on it
+            scale = st.rel
+            for other in bucket.stats.values():
+                if other.rel is not None:
+                    other.rel /= scale
+            bucket.best = name
 
     def _next_arm(self, b: int) -> Arm:
         bucket = self._buckets.get(b)
         if bucket is None:
             bucket = self._buckets[b] = _Bucket(order=self._cold_order())
-        best = self._best_name(bucket)
-        best_rate = bucket.stats[best].rate if best else None
+        if bucket.best is not None and self._stale(bucket.stats[bucket.best]):
+            # (back in this bucket after a while) the incumbent first: the
+            # reference the next challengers are compared with
+            return self._by_name[bucket.best]
         # cold start: every arm once, unless the measured best already beats
         # the arm's neighbours on the ladder by more than `prune`
         for name in bucket.order:
             st = bucket.stats.get(name)
             if st is not None and st.trials:
                 continue
-            if best_rate is not None and self._dominated(bucket, name, best_rate):
+            if bucket.best is not None and self._dominated(bucket, name):
                 continue
             return self._by_name[name]
-        measured = {n: s for n, s in bucket.stats.items() if s.rate is not None}
+        measured = {n: s for n, s in bucket.stats.items() if s.rel is not None}
         total = sum(s.weight for s in measured.values())
 
         def score(name: str) -> float:
             st = measured[name]
             bonus = self.explore * math.sqrt(math.log(1.0 + total) / max(st.weight, 1e-6))
-            return st.rate / best_rate + bonus
+            return st.rel + bonus
 
         return self._by_name[max(measured, key=score)]
 
@@ -333,7 +377,7 @@ class RateTuner:
         i = ladder.index(name)
         return [ladder[j] for j in (i - 1, i + 1) if 0 <= j < len(ladder)]
 
-    def _dominated(self, bucket: _Bucket, name: str, best_rate: float) -> bool:
+    def _dominated(self, bucket: _Bucket, name: str) -> bool:
         """A fixed arm not worth a cold-start trial: its ladder neighbours
         both measured far (more than ``prune``) below the best, or a fixed
         arm between it and the best-measured fixed arm did (the rate of a
@@ -343,8 +387,8 @@ class RateTuner:
         ladder says little about it."""
         if self._by_name[name].kind != "fixed":
             return False
-        floor = (1 - self.prune) * best_rate
-        rate = {n: st.rate for n, st in bucket.stats.items() if st.rate is not None}
+        floor = 1 - self.prune  # relative rates: the best's is 1
+        rate = {n: st.rel for n, st in bucket.stats.items() if st.rel is not None}
         nbrs = [n for n in self._ladder_neighbours(name) if self._by_name[n].kind == "fixed"]
         if nbrs and all(n in rate for n in nbrs) and max(rate[n] for n in nbrs) < floor:
             return True

@@ -69,6 +69,19 @@ def token_id(text: str, model: Path = TARGET) -> int:
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
 
 
+def cpu_fp8_kv_unavailable(head_size: int = 32) -> str | None:
+    """vLLM's own reason why its CPU attention keeps no fp8 KV cache here
+    (x86 with AVX-512 or AMX only), or None."""
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    try:
+        _get_attn_isa(torch.float32, 32, head_size, "fp8")
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
 def run_job(job: dict, tmp_path: Path, timeout: float = 900, multiprocess: bool = False) -> dict:
     """Run ``benchmarks.run_llm`` on ``job`` in a fresh process; return its result."""
     from benchmarks.run_llm import run_in_subprocess

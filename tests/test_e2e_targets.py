@@ -34,7 +34,7 @@ import shutil
 
 import pytest
 
-from tests.conftest import run_job
+from tests.conftest import cpu_fp8_kv_unavailable, run_job
 
 pytestmark = pytest.mark.engine
 
@@ -88,24 +88,14 @@ def test_mixture_of_experts_target(tiny_pair, tmp_path):
     assert tree["spec"]["tau"] > 2.5, tree["spec"]
 
 
-def _fp8_unavailable() -> str | None:
-    import torch
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    try:
-        _get_attn_isa(torch.float32, 32, 64, "fp8")
-    except NotImplementedError as e:
-        return str(e)
-    return None
-
-
 def test_fp8_kv_cache(tmp_path):
     from benchmarks.tiny_pair.head_pad import make_head64_pair
     from tests.near_ties import describe, first_divergences
     from tests.pit import load_target
 
-    if _fp8_unavailable():
-        pytest.skip(f"vLLM's CPU attention has no fp8 KV cache here: {_fp8_unavailable()}")
+    if cpu_fp8_kv_unavailable(64):
+        pytest.skip(f"vLLM's CPU attention has no fp8 KV cache here: "
+                    f"{cpu_fp8_kv_unavailable(64)}")
     target = make_head64_pair(tmp_path / "models")
     plain, tree = _plain_and_tree(str(target), f"{target}-dflash", tmp_path,
                                   kv_cache_dtype="fp8")

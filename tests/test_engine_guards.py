@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.conftest import run_job
+from tests.conftest import cpu_fp8_kv_unavailable, run_job
 from vllm_ddtree.core.config import DDTreeConfigError
 from vllm_ddtree.plugin import register
 
@@ -108,17 +108,6 @@ def _variant(tmp_path, target, **changes):
     return str(d)
 
 
-def _fp8_unavailable() -> str | None:
-    import torch
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    try:
-        _get_attn_isa(torch.float32, 32, 64, "fp8")
-    except NotImplementedError as e:
-        return str(e)
-    return None
-
-
 def _head_dim_64(tmp_path, target, drafter):
     """Configs of the tiny pair with head size 64 (the bundled pair's 48 is
     no multiple of 32, which vLLM's fp8 CPU cache needs); weights unread."""
@@ -129,8 +118,9 @@ def _head_dim_64(tmp_path, target, drafter):
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
 def test_fp8_kv_cache_is_served_where_vllms_cpu_attention_serves_it(tiny_pair, tmp_path,
                                                                      kv_cache_dtype):
-    if _fp8_unavailable():
-        pytest.skip(f"vLLM's CPU attention has no fp8 KV cache here: {_fp8_unavailable()}")
+    if cpu_fp8_kv_unavailable(64):
+        pytest.skip(f"vLLM's CPU attention has no fp8 KV cache here: "
+                    f"{cpu_fp8_kv_unavailable(64)}")
     target, drafter = _head_dim_64(tmp_path, *tiny_pair)
     cfg = _args(target, drafter, kv_cache_dtype=kv_cache_dtype).create_engine_config()
     assert cfg.cache_config.cache_dtype == kv_cache_dtype

@@ -28,6 +28,7 @@ from test_tree_attention_utils import (  # noqa: E402
     path_attention,
     quantize_batch,
 )
+from tests.conftest import cpu_fp8_kv_unavailable  # noqa: E402
 from vllm import _custom_ops as ops  # noqa: E402
 from vllm.v1.attention.backends import cpu_attn  # noqa: E402
 
@@ -46,16 +47,7 @@ K_SCALE, V_SCALE = 0.37, 1.9
 KINDS = {"fp8": "e4m3", "fp8_e5m2": "e5m2"}  # the --kv-cache-dtype values tested
 
 
-def _vllm_fp8_unavailable() -> str | None:
-    """vLLM's own reason why its CPU attention has no fp8 KV cache here."""
-    try:
-        cpu_attn._get_attn_isa(torch.float32, 32, 32, "fp8")
-    except NotImplementedError as e:
-        return str(e)
-    return None
-
-
-_NO_VLLM_FP8 = _vllm_fp8_unavailable()
+_NO_VLLM_FP8 = cpu_fp8_kv_unavailable()
 needs_vllm_fp8 = pytest.mark.skipif(
     _NO_VLLM_FP8 is not None,
     reason=f"vLLM's CPU attention has no fp8 KV cache on this CPU: {_NO_VLLM_FP8}")

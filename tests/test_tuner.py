@@ -251,3 +251,24 @@ def test_back_in_a_bucket_after_a_while_the_incumbent_runs_first():
         tuner.observe(1, 3.0, 0.01)
     assert tuner.rates(1)["fixed8"] == pytest.approx(before["fixed8"])
     assert tuner.history[-1][1] == "fixed8"  # the trial did close
+
+
+def test_only_arms_far_behind_end_their_trials_early():
+    """An arm at less than half the incumbent's rate ends its trial after
+    ``min_close`` counted steps; one at 0.6 of it gets a full trial (a few
+    noisy steps must not dismiss an arm that may be the best)."""
+    def counted_steps(rate_ratio: float) -> int:
+        tuner = RateTuner(4, trial_seconds=0.01, min_steps=8)
+        tuner.arm(1)  # plain, the first incumbent: 100 tokens/s
+        for _ in range(9):
+            tuner.observe(1, 1.0, 0.01)
+        challenger = tuner.arm(1)
+        assert challenger != Arm("plain")
+        n = 0
+        while tuner._trial is not None and tuner._trial.arm == challenger:
+            tuner.observe(1, 1.0, 0.01 / rate_ratio)
+            n += 1
+        return n - 1  # the first step is not counted
+
+    assert counted_steps(0.4) == 3
+    assert counted_steps(0.6) >= 8

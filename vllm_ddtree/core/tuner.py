@@ -48,15 +48,16 @@ Choice, per batch-size bucket (1, 2-7, 8-31, 32-127, ...)
     it. A challenger is compared only with an incumbent trial that ended at
     most ``stale_seconds`` of engine time before it began (10 trials' worth by
     default); when the load comes back to a bucket after longer, the
-    incumbent runs first. Each arm also keeps a discounted count of its trials (every trial
-    multiplies all counts by ``discount``).
+    incumbent runs first. Each arm also keeps a discounted count of its
+    trials (every trial multiplies all counts by ``discount``).
     A new bucket first tries the arms once each: plain, the model, then the
     budget ladder from its middle outwards, skipping a fixed arm that lies
     beyond one measured more than ``prune`` below the best (budgets are taken
     to rise to one peak and fall) or whose neighbours both did. A trial of an
-    arm other than the best that runs more than ``prune`` below the best
-    ends after ``min_close`` counted steps: exploration spends its steps
-    where they are cheap. Then every trial runs the arm with
+    arm other than the best that runs below ``abandon`` times the best ends
+    after ``min_close`` counted steps: exploration spends its steps where
+    they are cheap (an arm at half the best is not the best, however noisy a
+    few steps are; one closer to it gets a full trial). Then every trial runs the arm with
     the highest upper confidence bound on its rate relative to the best,
     ``rate / best + explore * sqrt(ln N / n)``: the best runs almost always,
     an arm close to it is re-measured now and then, one far below it rarely,
@@ -173,7 +174,8 @@ class RateTuner:
 
     def __init__(self, budget: int, trial_seconds: float = 0.3, min_steps: int = 8,
                  min_close: int = 3, explore: float = 0.05, discount: float = 0.985,
-                 decay: float = 0.25, prune: float = 0.25, with_model: bool = True,
+                 decay: float = 0.25, prune: float = 0.25, abandon: float = 0.5,
+                 with_model: bool = True,
                  stale_seconds: float | None = None) -> None:
         if budget < 1:
             raise ValueError(f"RateTuner: budget must be >= 1, got {budget}")
@@ -187,6 +189,7 @@ class RateTuner:
         self.discount = discount
         self.decay = decay
         self.prune = prune
+        self.abandon = abandon
         self.stale_seconds = 10 * trial_seconds if stale_seconds is None else stale_seconds
         self.arms = ([Arm("plain")] + [Arm("fixed", b) for b in budget_ladder(budget)]
                      + ([Arm("model", budget)] if with_model else []))
@@ -288,7 +291,7 @@ class RateTuner:
 
     def _far_behind(self, trial: _Trial) -> bool:
         """A trial of an arm other than the bucket's best that, after
-        ``min_close`` counted steps, delivers less than ``1 - prune`` of the
+        ``min_close`` counted steps, delivers less than ``abandon`` times the
         best: it ends there (an arm far behind costs the most per step of
         exploration, and a few steps already tell it is not the best)."""
         if trial.counted < self.min_close:
@@ -297,7 +300,7 @@ class RateTuner:
         best = bucket.best
         if best is None or best == trial.arm.name:
             return False
-        return self._rate(trial) < (1 - self.prune) * bucket.stats[best].last
+        return self._rate(trial) < self.abandon * bucket.stats[best].last
 
     def _close(self, trial: _Trial) -> None:
         rate = self._rate(trial)

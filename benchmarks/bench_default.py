@@ -11,7 +11,8 @@ arms: plain decoding, the DFlash chain with the same drafter, DDTree at a
 fixed budget of 4, 8, 16, 32 and 64, and DDTree's default (adaptive, at most
 64 nodes). ``--warmup`` passes per concurrency come first, for every arm
 alike (the first also checks that every arm's greedy output equals plain
-decoding's; a mismatch stops the run): the default learns what each arm
+decoding's; a mismatch stops the run in fp32, and is counted for the bf16
+hybrid, whose near-ties tests/test_e2e_hybrid.py judges): the default learns what each arm
 delivers while serving, as a server would over its first seconds. Because each engine sees the load change from one concurrency to the
 next and back (1, 4, 16, 64, 1, ...), the default's adaptation to load is
 part of what is measured.
@@ -109,9 +110,14 @@ def run_config(name: str, args) -> dict:
             prompts, sampling = workload(c, 0)
             outs = {a: engines.run(a, prompts, sampling)["outputs"] for a in engines.names}
             bad = [a for a in outs if outs[a] != outs["plain"]]
-            if bad:
+            if bad and cfg["llm"]["dtype"] == "float32":
                 raise RuntimeError(f"[{name}] c={c}: greedy outputs of {bad} differ from "
                                    f"plain decoding")
+            if bad:  # bf16 (the hybrid): near-ties, judged by tests/test_e2e_hybrid.py
+                same = {a: sum(x == y for x, y in zip(outs[a], outs["plain"])) for a in bad}
+                print(f"[{name}] c={c}: bf16 outputs identical to plain's on "
+                      f"{same} of {len(prompts)} prompts (near-ties are judged with an fp32 "
+                      f"rescoring in tests/test_e2e_hybrid.py)", file=sys.stderr, flush=True)
             for w in range(1, args.warmup):
                 prompts, sampling = workload(c, 100 + w)
                 for a in engines.names:

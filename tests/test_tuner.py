@@ -156,7 +156,7 @@ def test_exploration_is_cheap_when_plain_wins_by_far(seed):
     tries plain first, ends the far-behind trials after a few steps and skips
     the budgets beyond a far-behind one, so plain runs almost from the start."""
     rates = {"plain": 300.0, "fixed2": 120.0, "fixed4": 130.0, "fixed8": 140.0,
-             "fixed16": 110.0, "model": 150.0}
+             "fixed16": 110.0, "model": 140.0}
     tuner = RateTuner(16)
     chosen, _, _ = _run(tuner, lambda t, r: rates, 400, seed=seed)
     assert chosen[0] == "plain"
@@ -167,13 +167,13 @@ def test_exploration_is_cheap_when_plain_wins_by_far(seed):
 
 
 def test_stalled_steps_do_not_shorten_or_decide_a_trial():
-    """Half of a trial's steps stalled: the trial still runs its typical
+    """A third of a trial's steps stalled: the trial still runs its typical
     length, and its rate is the unstalled steps' rate."""
     tuner = RateTuner(4, trial_seconds=0.1, min_steps=4)
     arm = tuner.arm(1)
     tuner.observe(1, 1.0, 0.01)  # first step: not counted
     for i in range(9):
-        tuner.observe(1, 1.0, 0.5 if i % 2 else 0.01)  # 0.01 s typical, stalls of 0.5 s
+        tuner.observe(1, 1.0, 0.5 if i % 3 == 2 else 0.01)  # 0.01 s typical, stalls of 0.5 s
     assert tuner.rates(1) == {}  # 9 x 0.01 s of typical steps < 0.1 s: still running
     tuner.observe(1, 1.0, 0.01)
     tuner.observe(1, 1.0, 0.01)

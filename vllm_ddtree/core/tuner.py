@@ -29,11 +29,10 @@ Measurement
     batch that shrinks inside a bucket as requests finish does not favour
     the arm that ran first). Steps are timed by kind (the number of tokens
     they verify in powers of two, and whether the drafter ran in them), each
-    kind at the 30th percentile of its
-    steps: a low quantile, so that steps stalled by another process on a busy
-    machine do not decide, even half of a short trial's; by kind, so that
-    the rare expensive tree steps of an arm that mixes them with plain steps
-    (the model) count in full. When the batch size leaves the trial's bucket
+    kind at the median of its steps: so that steps stalled by another
+    process on a busy machine do not decide; by kind, so that the rare
+    expensive tree steps of an arm that mixes them with plain steps (the
+    model) count in full. When the batch size leaves the trial's bucket
     (requests finish, others arrive) the
     trial ends there and counts if it has ``min_close`` counted steps.
 
@@ -44,8 +43,9 @@ Choice, per batch-size bucket (1, 2-7, 8-31, 32-127, ...)
     its context grows, every arm's alike, and paired comparisons do not see
     the drift, where comparing trials run minutes apart would favour
     whichever arm was measured earlier. A challenger whose relative rate
-    passes 1 becomes the incumbent, and the relative rates are re-based on
-    it. A challenger is compared only with an incumbent trial that ended at
+    passes ``1 + margin`` (0 by default) on its second trial or later
+    becomes the incumbent (its first trial alone does not decide), and the
+    relative rates are re-based on it. A challenger is compared only with an incumbent trial that ended at
     most ``stale_seconds`` of engine time before it began (10 trials' worth by
     default); when the load comes back to a bucket after longer, the
     incumbent runs first. Each arm also keeps a discounted count of its
@@ -123,12 +123,12 @@ def bucket_range(bucket: int) -> tuple[int, int | None]:
 
 
 def _typical(step_seconds: list[float]) -> float:
-    """A step's typical time: the 30th percentile of the trial's steps. Other
-    processes only ever lengthen steps, so a low quantile stays put even when
-    half of a short trial's steps were stalled; for the spread of one arm's
-    own steps it is within a few per cent of the median."""
-    ordered = sorted(step_seconds)
-    return ordered[int(0.3 * (len(ordered) - 1))]
+    """A step's typical time: the median of the trial's steps of one kind.
+    Other processes only ever lengthen steps, and the median stays put while
+    fewer than half of them were stalled; a lower quantile would be robuster
+    still, but it favours an arm whose own steps spread (the model's trees
+    of varying sizes) over one whose steps do not (plain)."""
+    return statistics.median(step_seconds)
 
 
 def _typical_seconds(trial: "_Trial") -> float:
@@ -175,6 +175,7 @@ class RateTuner:
     def __init__(self, budget: int, trial_seconds: float = 0.3, min_steps: int = 8,
                  min_close: int = 3, explore: float = 0.05, discount: float = 0.985,
                  decay: float = 0.25, prune: float = 0.25, abandon: float = 0.5,
+                 margin: float = 0.0,
                  with_model: bool = True,
                  stale_seconds: float | None = None) -> None:
         if budget < 1:
@@ -190,6 +191,7 @@ class RateTuner:
         self.decay = decay
         self.prune = prune
         self.abandon = abandon
+        self.margin = margin
         self.stale_seconds = 10 * trial_seconds if stale_seconds is None else stale_seconds
         self.arms = ([Arm("plain")] + [Arm("fixed", b) for b in budget_ladder(budget)]
                      + ([Arm("model", budget)] if with_model else []))
@@ -327,7 +329,9 @@ class RateTuner:
             return  # no recent trial of the incumbent to compare with
         ratio = rate / incumbent.last
         st.rel = ratio if st.rel is None else (1 - self.decay) * st.rel + self.decay * ratio
-        if st.rel > 1.0:  # a new incumbent: every relative rate is re-based on it
+        if st.rel > 1.0 + self.margin and st.trials >= 2:
+            # a new incumbent (not on its first trial: one noisy trial must
+            # not decide): relative rates re-based on it
             scale = st.rel
             for other in bucket.stats.values():
                 if other.rel is not None:

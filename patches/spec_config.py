@@ -51,6 +51,8 @@ from vllm_ddtree.core.stats import new_stats_dir
 
 logger = init_logger("vllm.ddtree")
 
+_DFLASH = "Use method 'dflash' (the DFlash chain) for this setup."
+
 # Any multiple of 32 (what CPU_ATTN takes): it only picks among the ISAs,
 # fp8 support depends on the CPU and the head size.
 _CPU_ISA_PROBE_BLOCK = 32
@@ -147,7 +149,6 @@ def check_engine_args(args: Any, model_config: Any, parallel_config: Any,
     ``drafter_head_size``: the drafter's, whose layers share the KV cache dtype."""
     from vllm.platforms import current_platform
 
-    dflash = "Use method 'dflash' (the DFlash chain) for this setup."
     if parallel_config.pipeline_parallel_size > 1:
         raise _refuse("pipeline_parallel_size",
                       f"DDTree does not support pipeline parallelism (got "
@@ -156,21 +157,21 @@ def check_engine_args(args: Any, model_config: Any, parallel_config: Any,
                       f"states) of its own layers that the accepted path must compact, and "
                       f"vLLM sends earlier stages no per-step data after the forward",
                       f"Serve with --pipeline-parallel-size 1 and split the model with "
-                      f"--tensor-parallel-size instead. {dflash}")
+                      f"--tensor-parallel-size instead. {_DFLASH}")
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(parallel_config, name) > 1:
             raise _refuse(name, "DDTree does not support context parallelism",
-                          f"Leave {name} at 1. {dflash}")
+                          f"Leave {name} at 1. {_DFLASH}")
     if model_config.is_attention_free:
         raise _refuse("model", "the target has no attention layers, so no tree can be "
-                      "verified on it", dflash)
+                      "verified on it", _DFLASH)
     if getattr(model_config, "use_mla", False):
         raise _refuse("model", "the target uses multi-head latent attention (MLA, "
                       "DeepSeek-style: DeepSeek V2/V3, Kimi K2), which DDTree's tree attention "
-                      "does not implement", dflash)
+                      "does not implement", _DFLASH)
     if getattr(model_config, "is_encoder_decoder", False):
         raise _refuse("model", "the target is an encoder-decoder model; DDTree verifies "
-                      "trees in decoder self-attention only", dflash)
+                      "trees in decoder self-attention only", _DFLASH)
     if model_config.is_hybrid:
         check_hybrid_target(args, model_config, budget, current_platform.is_cpu())
     mm = model_config.multimodal_config
@@ -186,10 +187,10 @@ def check_engine_args(args: Any, model_config: Any, parallel_config: Any,
     text = model_config.hf_text_config
     if getattr(text, "attn_logit_softcapping", None):
         raise _refuse("model", "the target soft-caps attention logits, which the tree "
-                      "attention kernel does not implement", dflash)
+                      "attention kernel does not implement", _DFLASH)
     if model_config.uses_alibi:
         raise _refuse("model", "the target uses ALiBi, which the tree attention kernel does "
-                      "not implement", dflash)
+                      "not implement", _DFLASH)
     if args.kv_cache_dtype not in UNQUANTIZED_TREE_KV_CACHE_DTYPES:
         check_quantized_kv_cache(args.kv_cache_dtype, model_config, current_platform,
                                  drafter_head_size)
@@ -206,11 +207,10 @@ def check_quantized_kv_cache(kv_cache_dtype: str, model_config: Any, platform: A
     AVX-512 or AMX, head sizes multiples of 32: vLLM's ``_get_attn_isa``);
     on CUDA the e4m3 one, the format vLLM's Triton backend reads; refused
     otherwise."""
-    dflash = "Use method 'dflash' (the DFlash chain) for this setup."
     if kv_cache_dtype not in KV_CACHE_DTYPE_KINDS:
         raise _refuse("kv_cache_dtype", f"DDTree reads unquantized KV caches and the "
                       f"per-tensor fp8 formats {sorted(KV_CACHE_DTYPE_KINDS)} only (got "
-                      f"{kv_cache_dtype!r})", f"Use --kv-cache-dtype auto or fp8. {dflash}")
+                      f"{kv_cache_dtype!r})", f"Use --kv-cache-dtype auto or fp8. {_DFLASH}")
     if platform.is_cpu():
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -236,10 +236,10 @@ def check_quantized_kv_cache(kv_cache_dtype: str, model_config: Any, platform: A
             return
         raise _refuse("kv_cache_dtype", f"{kv_cache_dtype!r} on CUDA: vLLM's Triton attention "
                       f"backend, which DDTree's extends, reads every fp8 cache as e4m3",
-                      f"Use --kv-cache-dtype fp8 (e4m3) or auto. {dflash}")
+                      f"Use --kv-cache-dtype fp8 (e4m3) or auto. {_DFLASH}")
     raise _refuse("kv_cache_dtype", f"DDTree serves an fp8 KV cache on CPU and CUDA only, not "
                   f"on the {platform.device_name} platform",
-                  f"Use --kv-cache-dtype auto. {dflash}")
+                  f"Use --kv-cache-dtype auto. {_DFLASH}")
 
 
 def _backend_name(value: Any) -> str | None:

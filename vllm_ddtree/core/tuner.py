@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 __all__ = ["Arm", "RateTuner", "bucket_of", "bucket_range", "budget_ladder"]
@@ -91,6 +92,9 @@ class Arm:
     @property
     def drafts(self) -> bool:
         return self.kind != "plain"
+
+
+HISTORY = 4096  # trials kept in RateTuner.history
 
 
 def budget_ladder(budget: int) -> list[int]:
@@ -199,7 +203,8 @@ class RateTuner:
         self._buckets: dict[int, _Bucket] = {}
         self._trial: _Trial | None = None
         self._clock = 0.0  # engine time: the sum of every reported step's seconds
-        self.history: list[tuple[int, str, float]] = []  # (bucket, arm, rate) per trial
+        # (bucket, arm, rate) of the latest trials (bounded: a server runs for days)
+        self.history: deque[tuple[int, str, float]] = deque(maxlen=HISTORY)
 
     # ------------------------------------------------------------ decisions
     def arm(self, num_reqs: int) -> Arm:

@@ -12,7 +12,8 @@ def all_patches() -> list[Patch]:
                                      request_params, spec_config, stat_loggers,
                                      structured_output)
 
-    return [spec_config.PATCH, spec_config.PREFIX_CACHING_DEFAULT, request_params.PATCH,
+    return [spec_config.PATCH, spec_config.PREFIX_CACHING_DEFAULT, spec_config.DRAFTING_SLOTS,
+            request_params.PATCH,
             logitsprocs.PATCH, model_runner.CPU_RUNNER, model_runner.CUDA_RUNNER,
             stat_loggers.PATCH, cpu_seed_rewind.SNAPSHOT, cpu_seed_rewind.REWIND,
             cpu_dflash_k_norm.PATCH, cpu_gemm_handler_del.PATCH, gdn_tree.PATCH,

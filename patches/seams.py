@@ -165,10 +165,10 @@ SEAMS: list[Seam] = [
     _S("vllm.config.speculative:SpeculativeConfig.draft_sample_method", "attribute", "config",
        "refused unless the default: trees come from the drafter's distribution"),
     _S("vllm.config.speculative:SpeculativeConfig.max_num_new_slots_for_drafting",
-       "signature", "config", "not called; how many drafting slots vLLM reserves per step "
-       "(0.32: the tree budget per request, which caps requests per step at B = 64)",
-       changes={"0.33": "returns 0 for DFlash (drafting needs no new slots); only changes "
-                        "how many requests fit a step"}),
+       "patched", "config", "0 for DDTree: the drafter's queries run in their own pass "
+       "(0.32 reserved the tree budget per request in every step's token budget)",
+       changes={"0.33": "returns 0 for DFlash itself (dflash.py unchanged): the patch "
+                        "returns the same for DDTree"}),
     _S("vllm.config.model:ModelConfig.is_hybrid", "attribute", "config",
        "hybrid targets: GDN checks"),
     _S("vllm.config.model:ModelConfig.is_attention_free", "attribute", "config", "refused"),

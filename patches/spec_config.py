@@ -378,3 +378,26 @@ PREFIX_CACHING_DEFAULT = Patch(
     build=_build_prefix_default,
 )
 
+
+def _build_drafting_slots(original):
+    def max_num_new_slots_for_drafting(self) -> int:
+        if getattr(self, "ddtree", None) is not None:
+            return 0
+        return original.fget(self)
+
+    return property(max_num_new_slots_for_drafting, doc=original.__doc__)
+
+
+DRAFTING_SLOTS = Patch(
+    name="ddtree-drafting-slots",
+    target="vllm.config.speculative:SpeculativeConfig.max_num_new_slots_for_drafting",
+    why="vLLM 0.32 reserves num_speculative_tokens scheduler slots per request for a DFlash "
+        "drafter's queries. Those queries run in the drafter's own pass with its own buffers "
+        "(vLLM 0.33 reserves none for DFlash, with dflash.py unchanged), and for DDTree "
+        "num_speculative_tokens is the tree budget: at B = 64 every request took 65 slots of "
+        "the 4096 a step has, so at most 63 requests decoded per step even in plain steps, "
+        "and prefills were admitted a trickle at a time.",
+    upstream="fixed in vLLM 0.33 (returns 0 for DFlash); this patch makes 0.32 agree for ddtree",
+    vllm_versions=ALL_PLATFORMS,
+    build=_build_drafting_slots,
+)

@@ -67,6 +67,25 @@ def test_other_methods_untouched(tiny_pair):
     assert spec.method == "dflash" and getattr(spec, "ddtree", None) is None
 
 
+def test_no_drafting_slots_reserved(tiny_pair):
+    """DDTree's drafter block runs in its own pass, so the scheduler keeps its
+    whole token budget (vLLM 0.32 reserved B slots per request for DFlash)."""
+    target, drafter = tiny_pair
+    tree = _engine_config(target, {"method": "ddtree", "model": drafter,
+                                   "num_speculative_tokens": 64})
+    chain = _engine_config(target, {"method": "dflash", "model": drafter,
+                                    "num_speculative_tokens": 15})
+    assert tree.speculative_config.max_num_new_slots_for_drafting == 0
+    assert (tree.scheduler_config.max_num_scheduled_tokens
+            == tree.scheduler_config.max_num_batched_tokens)
+    # the chain keeps vLLM's own reservation (0 from vLLM 0.33 on)
+    from packaging.version import Version
+
+    from vllm_ddtree.version import installed_vllm
+    expect = 15 if installed_vllm()[1] < Version("0.33") else 0
+    assert chain.speculative_config.max_num_new_slots_for_drafting == expect
+
+
 @pytest.mark.parametrize("budget", [0, -3])
 def test_budget_must_be_positive(tiny_pair, budget):
     target, drafter = tiny_pair

@@ -183,6 +183,11 @@ def test_logprobs_equal_plain(plain, ddtree):
 # decoding uses).
 SAMPLE_PROMPTS, SAMPLES, SAMPLE_TOKENS, FIRST = 4, 24, 32, 2
 P_MIN = 1e-3
+# processed logprobs agree with the rescored distribution within LOGPROB_TOL
+# (transformers fp32 vs vLLM fp32: about 1e-5), except at filter-boundary
+# ties (thresholds moved by NUDGE relative; see _nudged_filters), which must
+# stay rare
+LOGPROB_TOL, NUDGE, MAX_BOUNDARY_TIES = 2e-3, 1e-4, 3
 PENALTIES = {"repetition_penalty": 2.0, "frequency_penalty": 1.0, "presence_penalty": 1.0}
 ARMS = {
     "penalties": dict(PENALTIES, temperature=0.9, top_p=0.95, min_p=0.02,
@@ -262,7 +267,7 @@ def _rescore_arm(tiny_pair, res, arm):
     make_grammar, backend = _grammar_factory(target) if arm == "grammar" else (None, None)
     params = ARMS[arm]
     rng = np.random.default_rng(7)
-    u_rank, u_id, ps, lp_err = [], [], [], []
+    u_rank, u_id, ps, lp_err, ties = [], [], [], [], 0
     k_arm = list(ARMS).index(arm)
     for i in range(SAMPLE_PROMPTS):
         row = i * len(ARMS) + k_arm
@@ -299,11 +304,36 @@ def _rescore_arm(tiny_pair, res, arm):
             ps.append(probs[np.arange(len(toks)), toks])
             # processed_logprobs: the log-probability of each sampled token
             # under the distribution it was drawn from.
-            lp_err.extend(abs(reported[k][str(t)] - np.log(p))
-                          for k, t, p in zip(range(FIRST, len(comp)), toks, ps[-1]))
+            got = np.array([reported[k][str(t)] for k, t in zip(range(FIRST, len(comp)), toks)])
+            err = np.abs(got - np.log(ps[-1]))
+            tied = np.zeros(len(toks), dtype=bool)
+            for top_p, min_p in _nudged_filters(params):
+                alt = vllm_processed_probs(x, params["temperature"], None, top_p, min_p).numpy()
+                alt_err = np.abs(got - np.log(alt[np.arange(len(toks)), toks]))
+                tied |= (err >= LOGPROB_TOL) & (alt_err < LOGPROB_TOL)
+            lp_err.extend(np.where(tied, 0.0, err))
+            ties += int(tied.sum())
     scored = Rescored(np.concatenate(u_rank), np.concatenate(u_id), np.concatenate(ps))
     scored.logprob_error = max(lp_err)
+    scored.boundary_ties = ties
     return scored
+
+
+def _nudged_filters(params):
+    """The request's (top_p, min_p) with each threshold moved by NUDGE either way.
+
+    vLLM's fp32 logits and the rescoring's differ by about 1e-5, so a token
+    whose probability lies within that of the min-p threshold or the top-p
+    boundary may be kept by one and dropped by the other; both are the same
+    distribution up to that rounding. A reported logprob that matches one of
+    these is such a boundary tie, not an error.
+    """
+    top_p, min_p = params.get("top_p"), params.get("min_p")
+    for s in (1 - NUDGE, 1 + NUDGE):
+        if top_p is not None:
+            yield min(top_p * s, 1.0), min_p
+        if min_p is not None:
+            yield top_p, min_p * s
 
 
 @pytest.mark.parametrize("arm", list(ARMS))
@@ -316,5 +346,6 @@ def test_sampling_matches_plain_distribution(tiny_pair, sampled, arm):
     assert scored.ks_p > P_MIN, f"{arm}: DDTree samples are not plain samples: {scored.summary()}"
     assert scored.ks_p_id > P_MIN, f"{arm}: {scored.summary()}"
     # processed logprobs (vLLM's --logprobs-mode processed_logprobs) agree with
-    # the rescored distribution (transformers fp32 vs vLLM fp32: about 1e-5)
-    assert scored.logprob_error < 2e-3, scored.logprob_error
+    # the rescored distribution, up to rare filter-boundary ties
+    assert scored.logprob_error < LOGPROB_TOL, scored.logprob_error
+    assert scored.boundary_ties <= MAX_BOUNDARY_TIES, scored.boundary_ties

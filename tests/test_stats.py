@@ -136,6 +136,9 @@ def test_tuner_arms_round_trip(tmp_path):
     d = r.read() - before
     assert d.arm_steps[:4].tolist() == [1, 0, 0, 2] and d.arm_steps.sum() == 3
     assert d.arm_rate[:2].tolist() == [5.0, 0.0]
+    w.add_arm(1)  # rates unchanged since the last decision: the gauges stay
+    d = r.read() - before
+    assert d.arm_steps[:2].tolist() == [1, 1] and r.read().arm_rate[:2].tolist() == [5.0, 0.0]
     with pytest.raises(ValueError, match="arm index"):
         w.add_arm(stats.ARM_SLOTS, [])
     w.close()

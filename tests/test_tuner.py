@@ -162,6 +162,7 @@ def test_exploration_is_cheap_when_plain_wins_by_far(seed):
     assert chosen[0] == "plain"
     assert chosen.count("plain") >= 380, {n: chosen.count(n) for n in rates}
     tried = {a for _, a, _ in tuner.history}
+    assert tuner.closed == len(tuner.history) > 0  # what the runner's rate export keys on
     assert "fixed2" not in tried and "fixed16" not in tried  # beyond a far-behind arm
     assert tuner.best(4) == Arm("plain")
 

@@ -139,6 +139,8 @@ class DDTreeRunnerMixin:
         # Each request's tree of the last drafts on the host (parents of its
         # drafts), and this step's scheduled drafts: the node histories.
         self.ddtree_host_parents: dict[str, list[int]] = {}
+        self.ddtree_no_drafts = False  # the last step was plain and drafted nothing
+        self.ddtree_rates_seen = -1  # the tuner's closed trials when its rates were last exported
         self.ddtree_scheduled: dict[str, list[int]] = {}
         logger.info("DDTree: tree budget %d%s, drafter depth %d (block size %d)",
                     self.ddtree.budget, " (adaptive: at most)" if self.ddtree.adaptive
@@ -478,10 +480,13 @@ class DDTreeRunnerMixin:
         arm = (self.ddtree_tuner.arm(num_reqs)
                if policy is not None and self.ddtree_tuner is not None else None)
         if arm is not None and self.ddtree_stats is not None:
-            last = self.ddtree_tuner.last_measured()
-            rates = last[1] if last is not None else {}
-            self.ddtree_stats.add_arm(self.ddtree_tuner.arms.index(arm),
-                                      [rates.get(a.name, 0.0) for a in self.ddtree_tuner.arms])
+            tuner, rates = self.ddtree_tuner, None
+            if tuner.closed != self.ddtree_rates_seen:  # a trial closed: new rates
+                self.ddtree_rates_seen = tuner.closed
+                last = tuner.last_measured()
+                measured = last[1] if last is not None else {}
+                rates = [measured.get(a.name, 0.0) for a in tuner.arms]
+            self.ddtree_stats.add_arm(tuner.arms.index(arm), rates)
         if arm is not None and arm.kind != "model":
             drafting = arm.drafts
         else:
@@ -544,7 +549,8 @@ class DDTreeRunnerMixin:
         self.ddtree_policy.skipped()
         self.ddtree_round = None
         self.ddtree_trees = None
-        self.ddtree_budgets = torch.zeros(num_reqs, dtype=torch.long)
+        self.ddtree_budgets = None
+        self.ddtree_no_drafts = True
         if self.ddtree_step is not None:
             self.ddtree_step["end"] = time.perf_counter()
         self._ddtree_flush_stats()
@@ -581,6 +587,18 @@ class DDTreeRunnerMixin:
         out = super().take_draft_token_ids()
         if self.ddtree is None:
             return out
+        if self.ddtree_no_drafts:
+            # A plain step in plain mode drafted for no request. The scheduler
+            # cleared the drafts of every request it scheduled, so it has
+            # nothing to update (nor to check against a grammar): plain
+            # decoding's engine step, with the decision counted.
+            self.ddtree_no_drafts = False
+            self.ddtree_budgets = None
+            self.ddtree_host_parents = {}
+            self.ddtree_policy.decided(0)
+            if self.ddtree_stats is not None:
+                self.ddtree_stats.add_choice(0)
+            return None
         budgets, self.ddtree_budgets = self.ddtree_budgets, None
         if out is None:
             return out

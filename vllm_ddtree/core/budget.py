@@ -42,6 +42,7 @@ Cost of a step
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -65,6 +66,11 @@ def ladder(hi: int) -> list[int]:
         x *= 2
     out.append(max(int(hi), 1))
     return sorted(set(out))
+
+
+# Steps a mode prediction is reused for at one batch size (its inputs, the
+# cost curves and the trees' values, move slowly; a probe comes every 32).
+PREDICTION_STEPS = 16
 
 
 # ---------------------------------------------------------------- cost curves
@@ -91,8 +97,25 @@ class PiecewiseLinear:
         self.weight = [0.0] * len(xs)
         self.decay = decay
         self._logx = [math.log2(max(x, 1e-9)) for x in self.xs]
-        self.ys: list[float] = []
-        self._refresh()
+        self._ys: list[float] | None = None
+
+    @property
+    def ys(self) -> list[float]:
+        """The knots' values, recomputed when read after a measurement (a
+        step measures once, and only the policy's decisions read them)."""
+        if self._ys is None:
+            self._refresh()
+        return self._ys
+
+    def _nearest(self, x: float) -> int:
+        """The knot nearest to ``x`` in log size."""
+        lx = math.log2(max(float(x), 1e-9))
+        i = bisect.bisect_left(self._logx, lx)
+        if i == 0:
+            return 0
+        if i == len(self._logx):
+            return i - 1
+        return i if self._logx[i] - lx < lx - self._logx[i - 1] else i - 1
 
     def _refresh(self) -> None:
         seen = [j for j, w in enumerate(self.weight) if w > 0.05]
@@ -112,7 +135,7 @@ class PiecewiseLinear:
             y = (w * self.learnt[k] + self.profile[k] * math.exp(lr)) / (w + 1.0)
             run = max(run, y, 1e-7)  # non-decreasing
             ys.append(run)
-        self.ys = ys
+        self._ys = ys
 
     def _bracket(self, x: float) -> tuple[int, int, float]:
         xs = self.xs
@@ -136,8 +159,7 @@ class PiecewiseLinear:
     def confidence(self, x: float) -> float:
         """How much the curve has been measured near ``x`` (decayed count of
         the nearest knot)."""
-        lx = math.log2(max(float(x), 1e-9))
-        return self.weight[min(range(len(self.xs)), key=lambda j: abs(self._logx[j] - lx))]
+        return self.weight[self._nearest(x)]
 
     def at(self, x: Tensor) -> Tensor:
         """The curve at every element of ``x`` (float64, same device)."""
@@ -155,13 +177,12 @@ class PiecewiseLinear:
         size) moves a fraction ``rate`` of the way (outliers clipped to 0.5-2x
         its value) and gains confidence; each knot thus averages the steps of
         its own cell."""
-        lx = math.log2(max(float(x), 1e-9))
-        k = min(range(len(self.xs)), key=lambda j: abs(self._logx[j] - lx))
+        k = self._nearest(x)
         cur = self.learnt[k]
         self.learnt[k] = cur + rate * (min(max(y, 0.5 * cur), 2.0 * cur) - cur)
         self.weight = [w * self.decay for w in self.weight]
         self.weight[k] += 1.0
-        self._refresh()
+        self._ys = None
 
 
 @dataclass
@@ -397,7 +418,7 @@ class AdaptivePolicy:
         look like the recent ones; recomputed every few steps or when the batch
         size changes."""
         cached = self._prediction
-        if cached is not None and cached[0] == num_reqs and self._steps - cached[1] < 4:
+        if cached is not None and cached[0] == num_reqs and self._steps - cached[1] < PREDICTION_STEPS:
             return cached[2], cached[3]
         if self._rank_values_host is None:
             self._rank_values_host = self.rank_values.tolist()

@@ -243,17 +243,19 @@ class CounterWriter:
             a[_COST:_ARMS] = np.asarray(cost, dtype=np.float64)
         a[2] += 1
 
-    def add_arm(self, index: int, rates) -> None:
+    def add_arm(self, index: int, rates=None) -> None:
         """One decision of the delivered-rate tuner: it ran arm ``index``;
-        ``rates`` (tokens/s per arm, 0 when not measured) at this batch size."""
+        ``rates`` (tokens/s per arm, 0 when not measured) at this batch size,
+        or None when they have not changed since the last decision."""
         if not 0 <= index < ARM_SLOTS:
             raise ValueError(f"DDTree stats: arm index {index} outside 0..{ARM_SLOTS - 1}")
-        r = np.zeros(ARM_SLOTS)
-        r[: len(rates)] = np.asarray(rates, dtype=np.float64)[:ARM_SLOTS]
         a = self._a
         a[2] += 1
         a[_ARMS + index] += 1
-        a[_ARM_RATE:_SIZE] = r
+        if rates is not None:
+            r = np.zeros(ARM_SLOTS)
+            r[: len(rates)] = np.asarray(rates, dtype=np.float64)[:ARM_SLOTS]
+            a[_ARM_RATE:_SIZE] = r
         a[2] += 1
 
     def snapshot(self) -> Snapshot:

@@ -203,6 +203,7 @@ class RateTuner:
         self._buckets: dict[int, _Bucket] = {}
         self._trial: _Trial | None = None
         self._clock = 0.0  # engine time: the sum of every reported step's seconds
+        self.closed = 0  # trials closed so far (what the measured rates last changed with)
         # (bucket, arm, rate) of the latest trials (bounded: a server runs for days)
         self.history: deque[tuple[int, str, float]] = deque(maxlen=HISTORY)
 
@@ -321,6 +322,7 @@ class RateTuner:
         st.trials += 1
         st.weight += 1.0
         bucket.trials += 1
+        self.closed += 1
         self.history.append((trial.bucket, name, rate))
         if bucket.best is None or bucket.best == name:
             bucket.best, st.rel = name, 1.0  # the incumbent sets the scale

@@ -28,7 +28,10 @@ Configurations:
               weight-bound step, the same predictions
 
 Per (configuration, c): tokens/s per arm (median over rounds), the best
-non-default arm, and the default's ratio to it. Results:
+non-default arm, the default's ratio to it (of the medians, and the median of
+the same ratio within each round; each round starts one arm further on), and
+the steps the default's rate tuner gave each of its arms (plain, fixed
+budgets, the cost model), read from the counters behind ``/metrics``. Results:
 ``benchmarks/results/default_<config>.json``, a Markdown table on stdout,
 and with ``--plot`` tokens/s against concurrency per configuration.
 """
@@ -96,6 +99,8 @@ def run_config(name: str, args) -> dict:
                                                 for a in jobs}
     taus: dict[str, dict[int, list[float]]] = {a: {c: [] for c in args.concurrency}
                                                for a in jobs}
+    # the default's rate tuner: steps per arm in each measured round
+    tuner: dict[int, list[dict[str, float]]] = {c: [] for c in args.concurrency}
     t0 = time.time()
     with Arms(jobs) as engines:
         print(f"[{name}] {len(jobs)} engines ready in {time.time() - t0:.0f} s",
@@ -123,13 +128,18 @@ def run_config(name: str, args) -> dict:
                 for a in engines.names:
                     engines.run(a, prompts, sampling)
         for r in range(args.rounds):
+            # each round starts one arm further on: no arm always runs first
+            # or right after the same neighbour
+            order = engines.names[r % len(jobs):] + engines.names[:r % len(jobs)]
             for c in args.concurrency:
                 prompts, sampling = workload(c, 7 * (r + 1))
-                for a in engines.names:
+                for a in order:
                     res = engines.run(a, prompts, sampling)
                     rates[a][c].append(res["num_tokens"] / res["seconds"])
                     if res["drafts"]:
                         taus[a][c].append(1 + res["accepted_tokens"] / res["drafts"])
+                    if a == "default":
+                        tuner[c].append(res.get("arm_steps", {}))
                 line = ", ".join(f"{a} {rates[a][c][-1]:.0f}" for a in engines.names)
                 print(f"[{name}] round {r + 1} c={c}: {line}", file=sys.stderr, flush=True)
     cells = {}
@@ -137,8 +147,17 @@ def run_config(name: str, args) -> dict:
         med = {a: statistics.median(rates[a][c]) for a in jobs}
         others = {a: v for a, v in med.items() if a != "default"}
         best = max(others, key=others.get)
+        paired = [d / b for d, b in zip(rates["default"][c], rates[best][c])]
+        steps: dict[str, float] = {}
+        for rnd in tuner[c]:
+            for arm, n in rnd.items():
+                steps[arm] = steps.get(arm, 0.0) + n
         cells[c] = {"tok_s": med, "best_other": best,
                     "default_over_best": med["default"] / others[best],
+                    # the same ratio within each round (the two arms minutes
+                    # apart at most), median over rounds
+                    "paired_ratio": statistics.median(paired),
+                    "default_arm_steps": steps,
                     "tau": {a: statistics.median(t) if t else None
                             for a, t in ((a, taus[a][c]) for a in jobs)},
                     "rounds": {a: rates[a][c] for a in jobs}}
@@ -161,7 +180,21 @@ def markdown(result: dict) -> str:
         lines.append(f"| {a} | " + " | ".join(row) + " |")
     lines.append("| default / best other | " + " | ".join(
         f"{cells[c]['default_over_best']:.2f}x" for c in concs) + " |")
+    if all("paired_ratio" in cells[c] for c in concs):
+        lines.append("| same, per round (median) | " + " | ".join(
+            f"{cells[c]['paired_ratio']:.2f}x" for c in concs) + " |")
+        lines.append("| default's steps by arm | " + " | ".join(
+            _shares(cells[c]["default_arm_steps"]) for c in concs) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _shares(steps: dict[str, float]) -> str:
+    """The default's steps per arm as percentages, largest first."""
+    total = sum(steps.values())
+    if not total:
+        return "-"
+    top = sorted(steps.items(), key=lambda kv: -kv[1])
+    return " ".join(f"{a} {100 * n / total:.0f}%" for a, n in top if n / total >= 0.005)
 
 
 def plot(results: list[dict], out: str) -> None:

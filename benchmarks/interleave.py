@@ -5,8 +5,9 @@ the arm's environment set before vLLM is imported), built once and kept
 alive. The driver sends every arm the same workload in turn, arm after arm,
 round after round (A B C A B C ...), so machine noise and thermal drift hit
 every arm alike; what comes back per (arm, workload, round) is the wall time,
-the tokens generated, the spec-decode counters' growth and the first round's
-token ids (to check that the arms agree). Used by the serving-free
+the tokens generated, the spec-decode counters' growth, for an adaptive
+DDTree engine the steps its rate tuner gave each arm (``arm_steps``), and the
+first round's token ids (to check that the arms agree). Used by the serving-free
 benchmarks (``bench_parallel``, ``bench_default``)::
 
     with Arms({"plain": {"model": ...}, "ddtree": {...}}) as arms:
@@ -40,6 +41,7 @@ def _worker(job: dict, conn) -> None:
         kwargs.update(job.get("llm") or {})
         llm = LLM(model=job["model"], speculative_config=job.get("speculative_config"),
                   **kwargs)
+        arms = _tuner_arms(llm)
         conn.send(("ready", None))
     except Exception:  # noqa: BLE001 - reported to the driver
         conn.send(("error", traceback.format_exc()))
@@ -53,11 +55,15 @@ def _worker(job: dict, conn) -> None:
         prompts, sampling = msg
         try:
             before = {n: counter(llm, n) for n in names}
+            steps0 = arms.steps() if arms is not None else None
             t0 = time.perf_counter()
             outs = llm.generate(_prompts_for(prompts), _params_for(sampling), use_tqdm=False)
             seconds = time.perf_counter() - t0
             grown = {n.removeprefix("spec_decode_num_"): counter(llm, n) - before[n]
                      for n in names}
+            if arms is not None:  # the steps each of the tuner's arms decided
+                grown["arm_steps"] = {a: float(x) for a, x in
+                                      zip(arms.names, arms.steps() - steps0) if x}
             conn.send(("ok", {"seconds": seconds,
                               "num_tokens": sum(len(c.token_ids) for o in outs
                                                 for c in o.outputs),
@@ -65,6 +71,38 @@ def _worker(job: dict, conn) -> None:
                               **grown}))
         except Exception:  # noqa: BLE001
             conn.send(("error", traceback.format_exc()))
+
+
+class _TunerArms:
+    """Steps per arm of an adaptive DDTree engine's rate tuner, from the
+    counters its runner publishes for ``/metrics`` (``vllm_ddtree/core/stats.py``)."""
+
+    def __init__(self, stats_file: str, names: list[str]):
+        from vllm_ddtree.core.stats import CounterReader
+
+        self.reader = CounterReader(stats_file)
+        self.names = names
+
+    def steps(self):
+        import numpy as np
+
+        snap = self.reader.read()
+        if snap is None:  # the engine has not written yet
+            return np.zeros(len(self.names))
+        return snap.arm_steps[: len(self.names)].copy()
+
+
+def _tuner_arms(llm) -> _TunerArms | None:
+    """The tuner's arms of an in-process adaptive DDTree engine (None otherwise)."""
+    spec = llm.llm_engine.vllm_config.speculative_config
+    runtime = getattr(spec, "ddtree", None)
+    if runtime is None or not runtime.adaptive or not runtime.stats_dir:
+        return None
+    from vllm_ddtree.core.stats import stats_file
+    from vllm_ddtree.core.tuner import RateTuner
+
+    names = [a.name for a in RateTuner(runtime.budget).arms]
+    return _TunerArms(stats_file(runtime.stats_dir, 0), names)
 
 
 class Arms:

@@ -30,13 +30,16 @@ def test_ladder_and_buckets():
 
 
 def _run(tuner, rates_at, steps, reqs_at=lambda t: 4, noise=0.05, seed=0, skip=0,
-         stalls=0.05, always=None):
+         stalls=0.05, always=None, accept_spread=0):
     """Drive ``tuner`` for ``steps`` steps; ``rates_at(t, reqs)`` maps arm
     names to tokens/s. Every step's time has +-``noise`` jitter, and a
     fraction ``stalls`` of the steps take 2 to 20 times longer (another
     process on a busy machine). Returns the arm names chosen and the tokens
     and seconds delivered after the first ``skip`` steps. ``always``: run that
-    arm every step instead (the oracle, with the same noise and stalls)."""
+    arm every step instead (the oracle, with the same noise and stalls).
+    ``accept_spread`` k > 0: a drafting arm's step commits 3 +- k tokens per
+    request, uniformly (acceptance varies from step to step; the mean rate
+    stays the arm's)."""
     rng = random.Random(seed)
     chosen, tokens, seconds = [], 0.0, 0.0
     for t in range(steps):
@@ -46,6 +49,8 @@ def _run(tuner, rates_at, steps, reqs_at=lambda t: 4, noise=0.05, seed=0, skip=0
         rate = reqs * rates_at(t, reqs)[arm.name] * (1 + noise * (2 * rng.random() - 1))
         tok = reqs * (1 + (2 if arm.drafts else 0))
         sec = tok / rate
+        if arm.drafts and accept_spread:  # the step's time, and a varying acceptance
+            tok = sum(rng.randint(3 - accept_spread, 3 + accept_spread) for _ in range(reqs))
         if rng.random() < stalls:
             sec *= rng.uniform(2, 20)
         if always is None:
@@ -79,6 +84,25 @@ def test_finds_the_best_arm_and_stays_close_to_it(seed):
     assert tuner.best(4) == best
     assert tokens / seconds > 0.97 * _oracle(RATES, 8000, best, seed, skip=2000)
     assert chosen[2000:].count("fixed8") / 6000 > 0.7
+
+
+def test_finds_the_best_arm_when_acceptance_varies_per_step():
+    """Each drafting step commits 1 to 5 tokens per request (mean 3; a trial
+    of 20 steps then measures its rate to about 5 %, against 10 % between
+    the best arm and the next): over six runs the tuner delivers, on
+    average, within 5 % of always running the best arm, and no run falls
+    more than 12 % behind it (trials that end early on a few unlucky steps
+    are retried)."""
+    best = Arm("fixed", 8)
+    ratios = []
+    for seed in range(6):
+        tuner = RateTuner(16)
+        _, tokens, seconds = _run(tuner, lambda t, r: RATES, 8000, seed=seed, skip=2000,
+                                  accept_spread=2)
+        _, o_tokens, o_seconds = _run(None, lambda t, r: RATES, 8000, seed=seed, skip=2000,
+                                      always=best, accept_spread=2)
+        ratios.append((tokens / seconds) / (o_tokens / o_seconds))
+    assert sum(ratios) / len(ratios) > 0.95 and min(ratios) > 0.88, ratios
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -254,14 +278,15 @@ def test_back_in_a_bucket_after_a_while_the_incumbent_runs_first():
     assert tuner.history[-1][1] == "fixed8"  # the trial did close
 
 
-def test_only_arms_far_behind_end_their_trials_early():
+def test_arms_behind_end_their_trials_the_sooner_the_further_behind():
     """An arm at less than half the incumbent's rate ends its trial after
-    ``min_close`` counted steps; one at 0.6 of it gets a full trial (a few
-    noisy steps must not dismiss an arm that may be the best)."""
+    ``min_close`` counted steps, one at 0.6 of it a little later, one at
+    0.8 after about twenty steps; one within a few percent gets a full trial
+    (a few noisy steps must not dismiss an arm that may be the best)."""
     def counted_steps(rate_ratio: float) -> int:
-        tuner = RateTuner(4, trial_seconds=0.01, min_steps=8)
+        tuner = RateTuner(4, trial_seconds=0.3, min_steps=8)
         tuner.arm(1)  # plain, the first incumbent: 100 tokens/s
-        for _ in range(9):
+        while not tuner.history:
             tuner.observe(1, 1.0, 0.01)
         challenger = tuner.arm(1)
         assert challenger != Arm("plain")
@@ -272,4 +297,6 @@ def test_only_arms_far_behind_end_their_trials_early():
         return n - 1  # the first step is not counted
 
     assert counted_steps(0.4) == 3
-    assert counted_steps(0.6) >= 8
+    assert counted_steps(0.6) == 5  # 0.5 * sqrt(3 / n) < 0.4 from n = 5
+    assert counted_steps(0.8) == 19
+    assert counted_steps(0.97) == 30  # the full trial: 0.3 s of 0.0103 s steps

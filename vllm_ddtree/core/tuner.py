@@ -54,10 +54,12 @@ Choice, per batch-size bucket (1, 2-7, 8-31, 32-127, ...)
     budget ladder from its middle outwards, skipping a fixed arm that lies
     beyond one measured more than ``prune`` below the best (budgets are taken
     to rise to one peak and fall) or whose neighbours both did. A trial of an
-    arm other than the best that runs below ``abandon`` times the best ends
-    after ``min_close`` counted steps: exploration spends its steps where
-    they are cheap (an arm at half the best is not the best, however noisy a
-    few steps are; one closer to it gets a full trial). Then every trial runs the arm with
+    arm other than the best ends as soon as it is clearly behind: below
+    ``abandon`` times the best after ``min_close`` counted steps, with a gap
+    that narrows as one over the square root of its steps (0.75 after four
+    times as many), so an arm far behind costs a few steps, one near the best
+    gets a full trial, and exploring costs little however many arms there
+    are. Then every trial runs the arm with
     the highest upper confidence bound on its rate relative to the best,
     ``rate / best + explore * sqrt(ln N / n)``: the best runs almost always,
     an arm close to it is re-measured now and then, one far below it rarely,
@@ -298,17 +300,24 @@ class RateTuner:
                 and _typical_seconds(trial) >= self.trial_seconds)
 
     def _far_behind(self, trial: _Trial) -> bool:
-        """A trial of an arm other than the bucket's best that, after
-        ``min_close`` counted steps, delivers less than ``abandon`` times the
-        best: it ends there (an arm far behind costs the most per step of
-        exploration, and a few steps already tell it is not the best)."""
-        if trial.counted < self.min_close:
+        """A trial of an arm other than the bucket's best that is clearly
+        behind it ends there: after ``n >= min_close`` counted steps, below
+        ``1 - (1 - abandon) * sqrt(min_close / n)`` times the best (``abandon``
+        after ``min_close`` steps, 0.75 after four times as many, 0.875 after
+        sixteen times). A gap that narrows as the error of a mean over ``n``
+        steps does: an arm at half the best ends after a few steps, one at
+        0.8 after about twenty, one within a few percent runs its full trial;
+        so exploring an arm costs about the same few steps' worth of tokens
+        however far behind it is."""
+        n = trial.counted
+        if n < self.min_close:
             return False
         bucket = self._buckets[trial.bucket]
         best = bucket.best
         if best is None or best == trial.arm.name:
             return False
-        return self._rate(trial) < self.abandon * bucket.stats[best].last
+        gap = (1.0 - self.abandon) * math.sqrt(self.min_close / n)
+        return self._rate(trial) < (1.0 - gap) * bucket.stats[best].last
 
     def _close(self, trial: _Trial) -> None:
         rate = self._rate(trial)

@@ -203,6 +203,40 @@ def test_stat_logger_exports_increments_once(tmp_path):
     w.close()
 
 
+def test_stat_logger_exports_under_load_at_intervals_and_in_full_when_idle(tmp_path):
+    """Under load the counters are exported every REFRESH_SECONDS, not every
+    step (reading them costs a few percent of a small model's step); the
+    steps in between are counted at the next export, and a step after which
+    nothing runs exports at once."""
+    pytest.importorskip("vllm")
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    from vllm_ddtree.core.config import DDTreeRuntime
+    from vllm_ddtree.metrics import DDTreeStatLogger
+
+    runtime = DDTreeRuntime(budget=16, depth=15, block_size=16, stats_dir=str(tmp_path))
+    cfg = SimpleNamespace(speculative_config=SimpleNamespace(ddtree=runtime),
+                          model_config=SimpleNamespace(served_model_name="m"))
+    stat_logger = DDTreeStatLogger(cfg, [0])
+    labels = {"model_name": "m", "engine": "0"}
+    w = CounterWriter(stats_file(str(tmp_path), 0))
+    busy, idle = SchedulerStats(num_running_reqs=3), SchedulerStats()
+    w.add(*STEPS[0])
+    stat_logger.record(busy, None, engine_idx=0)  # the first record exports
+    first = _sample("vllm:ddtree_num_drafts_total", labels)
+    assert 0 < first < 4
+    w.add(*STEPS[1])
+    stat_logger.record(busy, None, engine_idx=0)  # within the interval: deferred
+    assert _sample("vllm:ddtree_num_drafts_total", labels) == first
+    stat_logger.record(idle, None, engine_idx=0)  # drained: everything, once
+    assert _sample("vllm:ddtree_num_drafts_total", labels) == 4
+    assert _sample("vllm:ddtree_accepted_depth_count", labels) == 4
+    stat_logger.last_refresh -= 1.0  # the interval passed
+    stat_logger.record(busy, None, engine_idx=0)
+    assert _sample("vllm:ddtree_num_drafts_total", labels) == 4
+    w.close()
+
+
 def test_device_totals_add_what_the_per_request_lists_add(tmp_path):
     """The runner sums a step on the device (StepCounts.totals) and adds the
     totals at once; the counters must equal the per-request path."""

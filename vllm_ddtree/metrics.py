@@ -51,8 +51,10 @@ accepted-depth distribution and the expectation.
 
 from __future__ import annotations
 
+import math
 import time
 
+import numpy as np
 import prometheus_client
 from vllm.logger import init_logger
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
@@ -83,6 +85,8 @@ _COUNTERS = (
     ("vllm:ddtree_budget_chosen_nodes", "chosen_nodes",
      "DDTree adaptive budget: draft nodes chosen over the batch, summed over decisions."),
 )
+# Under load the counters are exported at most this often (see record()).
+REFRESH_SECONDS = 0.25
 _CHOSEN_BUCKETS = [0.0] + [float(2 ** k - 1) for k in range(1, CHOSEN_BINS)]
 
 
@@ -98,6 +102,7 @@ class DDTreeStatLogger(AggregateStatLoggerBase):
         self.last = {i: Snapshot() for i in self.engine_indexes}
         self.logged = {i: Snapshot() for i in self.engine_indexes}
         self.last_log = time.monotonic()
+        self.last_refresh = -math.inf
 
         labelnames = ["model_name", "engine"]
         model_name = vllm_config.model_config.served_model_name
@@ -165,6 +170,20 @@ class DDTreeStatLogger(AggregateStatLoggerBase):
             "arm", self.arm_names)
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+        # vLLM records every engine step; reading and exporting the counters
+        # costs tens of microseconds, a few percent of a small model's step,
+        # so they are exported every REFRESH_SECONDS under load (counters and
+        # histograms add up the steps in between) and whenever the engine has
+        # nothing left to run, so that an idle engine's metrics are complete.
+        now = time.monotonic()
+        busy = scheduler_stats is not None and (scheduler_stats.num_running_reqs
+                                                or scheduler_stats.num_waiting_reqs)
+        if busy and now - self.last_refresh < REFRESH_SECONDS:
+            return
+        self.last_refresh = now
+        self._refresh_all()
+
+    def _refresh_all(self) -> None:
         # Every engine's file, whichever engine's output arrived: with several
         # API servers only the first exports ddtree metrics (see
         # patches/stat_loggers.py), and it may see one engine's outputs only.
@@ -176,7 +195,8 @@ class DDTreeStatLogger(AggregateStatLoggerBase):
         snap = reader.read() if reader is not None else None
         if snap is None:
             return
-        delta = snap - self.last[engine_idx]
+        prev = self.last[engine_idx]
+        delta = snap - prev
         self.last[engine_idx] = snap
         for attr, children in self.counters.items():
             inc = getattr(delta, attr)
@@ -193,20 +213,25 @@ class DDTreeStatLogger(AggregateStatLoggerBase):
         for k, count in enumerate(delta.chosen_hist):
             for _ in range(int(count)):
                 chosen.observe(_CHOSEN_BUCKETS[k])
-        if snap.decided_steps:
-            for g, v in zip(self.calibration[engine_idx], snap.calibration):
-                g.set(float(v))
-            for g, v in zip(self.cost[engine_idx], snap.cost):
-                g.set(float(v))
+        if snap.decided_steps:  # gauges: set when they changed
+            if not np.array_equal(snap.calibration, prev.calibration):
+                for g, v in zip(self.calibration[engine_idx], snap.calibration):
+                    g.set(float(v))
+            if not np.array_equal(snap.cost, prev.cost):
+                for g, v in zip(self.cost[engine_idx], snap.cost):
+                    g.set(float(v))
         for c, inc in zip(self.arm_steps[engine_idx], delta.arm_steps):
             if inc > 0:
                 c.inc(float(inc))
-        if snap.arm_steps.any():
+        if snap.arm_steps.any() and not (prev.arm_steps.any()
+                                         and np.array_equal(snap.arm_rate, prev.arm_rate)):
             for g, v in zip(self.arm_rate[engine_idx], snap.arm_rate):
                 g.set(float(v))
 
     def log(self):
         now = time.monotonic()
+        self.last_refresh = now
+        self._refresh_all()
         for i in self.engine_indexes:
             delta = self.last[i] - self.logged[i]
             self.logged[i] = self.last[i]

@@ -300,3 +300,30 @@ def test_arms_behind_end_their_trials_the_sooner_the_further_behind():
     assert counted_steps(0.6) == 5  # 0.5 * sqrt(3 / n) < 0.4 from n = 5
     assert counted_steps(0.8) == 19
     assert counted_steps(0.97) == 30  # the full trial: 0.3 s of 0.0103 s steps
+
+
+def test_one_inflated_comparison_does_not_make_an_incumbent():
+    """A challenger's first comparison says 2x (its incumbent reference was
+    slowed by a busy machine), its second says 0.6x: the mean is above 1 but
+    the latest comparison disagrees, so the incumbent stays; two agreeing
+    comparisons do switch it."""
+    def trial(tuner, seconds_per_step):  # one trial, to its close
+        arm, closed = tuner.arm(1), tuner.closed
+        while tuner.closed == closed:
+            tuner.observe(1, 1.0, seconds_per_step)
+        return arm
+
+    tuner = RateTuner(2, trial_seconds=0.05, min_steps=4, with_model=False)
+    assert trial(tuner, 0.01) == Arm("plain")  # 100 tokens/s per request
+    assert trial(tuner, 0.005) == Arm("fixed", 2)  # 2x: its first trial, no switch
+    assert tuner.best(1) == Arm("plain")
+    assert trial(tuner, 0.01 / 0.6) == Arm("fixed", 2)  # the next comparison: 0.6x
+    assert tuner.best(1) == Arm("plain")  # mean 1.3, latest 0.6: stays
+    while tuner.arm(1) != Arm("fixed", 2):  # plain runs until fixed2 is retried
+        trial(tuner, 0.01)
+    trial(tuner, 0.005)
+    trial(tuner, 0.01)
+    while tuner.arm(1) != Arm("fixed", 2):
+        trial(tuner, 0.01)
+    trial(tuner, 0.005)
+    assert tuner.best(1) == Arm("fixed", 2)  # mean and latest both above 1

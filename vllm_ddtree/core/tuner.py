@@ -43,9 +43,11 @@ Choice, per batch-size bucket (1, 2-7, 8-31, 32-127, ...)
     its context grows, every arm's alike, and paired comparisons do not see
     the drift, where comparing trials run minutes apart would favour
     whichever arm was measured earlier. A challenger whose relative rate
-    passes ``1 + margin`` (0 by default) on its second trial or later
-    becomes the incumbent (its first trial alone does not decide), and the
-    relative rates are re-based on it. A challenger is compared only with an incumbent trial that ended at
+    (a mean that halves the weight of older trials at each new one) and
+    latest comparison both pass ``1 + margin`` (0 by default), on its second
+    trial or later, becomes the incumbent (neither its first trial alone
+    nor a mean inflated by one trial whose reference a busy machine slowed
+    decides), and the relative rates are re-based on it. A challenger is compared only with an incumbent trial that ended at
     most ``stale_seconds`` of engine time before it began (10 trials' worth by
     default); when the load comes back to a bucket after longer, the
     incumbent runs first. Each arm also keeps a discounted count of its
@@ -180,7 +182,7 @@ class RateTuner:
 
     def __init__(self, budget: int, trial_seconds: float = 0.3, min_steps: int = 8,
                  min_close: int = 3, explore: float = 0.05, discount: float = 0.985,
-                 decay: float = 0.25, prune: float = 0.25, abandon: float = 0.5,
+                 decay: float = 0.5, prune: float = 0.25, abandon: float = 0.5,
                  margin: float = 0.0,
                  with_model: bool = True,
                  stale_seconds: float | None = None) -> None:
@@ -345,9 +347,11 @@ class RateTuner:
             return  # no recent trial of the incumbent to compare with
         ratio = rate / incumbent.last
         st.rel = ratio if st.rel is None else (1 - self.decay) * st.rel + self.decay * ratio
-        if st.rel > 1.0 + self.margin and st.trials >= 2:
-            # a new incumbent (not on its first trial: one noisy trial must
-            # not decide): relative rates re-based on it
+        if st.rel > 1.0 + self.margin and ratio > 1.0 + self.margin and st.trials >= 2:
+            # a new incumbent, when its mean and its latest comparison both
+            # say so (not on its first trial, nor on a mean that one earlier
+            # trial, its reference slowed by a busy machine, inflated):
+            # relative rates re-based on it
             scale = st.rel
             for other in bucket.stats.values():
                 if other.rel is not None:

@@ -1,0 +1,41 @@
+"""The benchmarks' own arithmetic: what their tables report must be what
+they measured (paired step ratios, the default's steps per arm)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.bench_default import _shares
+from benchmarks.bench_step import paired_step_ratio
+from benchmarks.interleave import _TunerArms
+from vllm_ddtree.core.stats import CounterWriter, stats_file
+
+
+def _run(*steps):
+    return {"steps": [{"step": s} for s in steps]}
+
+
+def test_paired_step_ratio_is_the_median_of_within_round_ratios():
+    plain = [_run(1.0, 1.0, 3.0), _run(2.0, 2.0), _run(1.0)]
+    mode = [_run(1.2, 1.1, 1.1), _run(2.0, 2.4), _run(1.5)]
+    # rounds: 1.1 / 1.0, 2.2 / 2.0, 1.5 / 1.0 -> 1.1, 1.1, 1.5
+    assert paired_step_ratio(plain, mode) == pytest.approx(1.1)
+    assert paired_step_ratio([_run()], [_run(1.0)]) is None  # no steps: no ratio
+
+
+def test_shares_of_the_default_steps():
+    assert _shares({"plain": 90.0, "fixed4": 6.0, "model": 4.0}) == "plain 90% fixed4 6% model 4%"
+    assert _shares({"plain": 999.0, "fixed8": 1.0}) == "plain 100%"  # under 0.5 %: left out
+    assert _shares({}) == "-"
+
+
+def test_tuner_arm_steps_come_from_the_engine_counters(tmp_path):
+    names = ["plain", "fixed2", "model"]
+    arms = _TunerArms(stats_file(str(tmp_path), 0), names)
+    assert arms.steps().tolist() == [0, 0, 0]  # no file yet
+    w = CounterWriter(stats_file(str(tmp_path), 0))
+    before = arms.steps()
+    for index in (0, 0, 2):
+        w.add_arm(index)
+    assert (arms.steps() - before).tolist() == [2, 0, 1]
+    w.close()

@@ -99,9 +99,9 @@ def _tuner_arms(llm) -> _TunerArms | None:
     if runtime is None or not runtime.adaptive or not runtime.stats_dir:
         return None
     from vllm_ddtree.core.stats import stats_file
-    from vllm_ddtree.core.tuner import RateTuner
+    from vllm_ddtree.core.tuner import tuner_arms
 
-    names = [a.name for a in RateTuner(runtime.budget).arms]
+    names = [a.name for a in tuner_arms(runtime.budget)]
     return _TunerArms(stats_file(runtime.stats_dir, 0), names)
 
 

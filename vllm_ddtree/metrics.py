@@ -62,7 +62,7 @@ from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 from vllm_ddtree.core.config import ddtree_runtime
 from vllm_ddtree.core.stats import (CAL_BINS, CHOSEN_BINS, COST_GAUGES, CounterReader, Snapshot,
                                stats_file)
-from vllm_ddtree.core.tuner import RateTuner
+from vllm_ddtree.core.tuner import tuner_arms
 
 logger = init_logger("vllm.ddtree")
 
@@ -155,7 +155,7 @@ class DDTreeStatLogger(AggregateStatLoggerBase):
             "DDTree adaptive budget: the cost model at the last decision's batch (plain_step, "
             "tree_step with the chosen nodes, the drafter's share, and one more node).",
             "component", COST_GAUGES)
-        self.arm_names = [a.name for a in RateTuner(runtime.budget).arms]
+        self.arm_names = [a.name for a in tuner_arms(runtime.budget)]
         arm_steps = prometheus_client.Counter(
             name="vllm:ddtree_budget_arm_steps",
             documentation="DDTree adaptive budget: decisions that ran each arm of the "

@@ -593,7 +593,6 @@ class DDTreeRunnerMixin:
             # nothing to update (nor to check against a grammar): plain
             # decoding's engine step, with the decision counted.
             self.ddtree_no_drafts = False
-            self.ddtree_budgets = None
             self.ddtree_host_parents = {}
             self.ddtree_policy.decided(0)
             if self.ddtree_stats is not None:

@@ -418,7 +418,8 @@ class AdaptivePolicy:
         look like the recent ones; recomputed every few steps or when the batch
         size changes."""
         cached = self._prediction
-        if cached is not None and cached[0] == num_reqs and self._steps - cached[1] < PREDICTION_STEPS:
+        if (cached is not None and cached[0] == num_reqs
+                and self._steps - cached[1] < PREDICTION_STEPS):
             return cached[2], cached[3]
         if self._rank_values_host is None:
             self._rank_values_host = self.rank_values.tolist()

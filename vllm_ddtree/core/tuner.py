@@ -47,8 +47,9 @@ Choice, per batch-size bucket (1, 2-7, 8-31, 32-127, ...)
     latest comparison both pass ``1 + margin`` (0 by default), on its second
     trial or later, becomes the incumbent (neither its first trial alone
     nor a mean inflated by one trial whose reference a busy machine slowed
-    decides), and the relative rates are re-based on it. A challenger is compared only with an incumbent trial that ended at
-    most ``stale_seconds`` of engine time before it began (10 trials' worth by
+    decides), and the relative rates are re-based on it. A challenger is
+    compared only with an incumbent trial that ended at most
+    ``stale_seconds`` of engine time before it began (10 trials' worth by
     default); when the load comes back to a bucket after longer, the
     incumbent runs first. Each arm also keeps a discounted count of its
     trials (every trial multiplies all counts by ``discount``).
@@ -79,7 +80,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-__all__ = ["Arm", "RateTuner", "bucket_of", "bucket_range", "budget_ladder"]
+__all__ = ["Arm", "RateTuner", "bucket_of", "bucket_range", "budget_ladder", "tuner_arms"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,13 @@ class Arm:
 
 
 HISTORY = 4096  # trials kept in RateTuner.history
+
+
+def tuner_arms(budget: int, with_model: bool = True) -> list[Arm]:
+    """The arms of a tuner for budget ``budget``, in the order the counters
+    behind ``/metrics`` index them: plain, the fixed ladder, the model."""
+    return ([Arm("plain")] + [Arm("fixed", b) for b in budget_ladder(budget)]
+            + ([Arm("model", budget)] if with_model else []))
 
 
 def budget_ladder(budget: int) -> list[int]:
@@ -201,8 +209,7 @@ class RateTuner:
         self.abandon = abandon
         self.margin = margin
         self.stale_seconds = 10 * trial_seconds if stale_seconds is None else stale_seconds
-        self.arms = ([Arm("plain")] + [Arm("fixed", b) for b in budget_ladder(budget)]
-                     + ([Arm("model", budget)] if with_model else []))
+        self.arms = tuner_arms(budget, with_model)
         self._by_name = {a.name: a for a in self.arms}
         self._buckets: dict[int, _Bucket] = {}
         self._trial: _Trial | None = None

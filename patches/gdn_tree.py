@@ -11,9 +11,10 @@ In a DDTree step the tokens are tree nodes, each of which must follow its own
 parent. While the runner has a :class:`vllm_ddtree.gdn.GDNTreeStep` active
 (the target forward of a DDTree verification step), the replacement runs
 :func:`vllm_ddtree.gdn.cpu_tree_spec_forward` instead; at every other time
-(drafter, dummy and profile runs, plain steps) it calls the stock function
-unchanged. The step records every GDN layer that took the tree path, and the
-runner refuses to go on when one did not (``DDTreeSeamError``).
+(drafter, dummy and profile runs) it calls the stock function unchanged.
+Steps without drafts do not reach it: the runner sends their rows down vLLM's
+non-speculative GDN path. The step records every GDN layer that took the tree
+path, and the runner refuses to go on when one did not (``DDTreeSeamError``).
 
 The replacement also reads ``_unpacked_conv_weight`` from the same module
 (the plain ``[dim, W]`` conv weight, which AMX builds pack in place).

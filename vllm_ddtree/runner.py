@@ -182,17 +182,21 @@ class DDTreeRunnerMixin:
         return super().execute_model(scheduler_output, *args, **kwargs)
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
-        if (self.ddtree is not None and not scheduler_output.scheduled_spec_decode_tokens
-                and not self.ddtree_gdn_layers):
+        if self.ddtree is not None and not scheduler_output.scheduled_spec_decode_tokens:
             # No request verifies drafts (a plain step): prepared as a plain
             # engine prepares it, without vLLM's zero-draft spec metadata, so
-            # that plain steps cost what plain decoding costs. (GDN targets
-            # keep it: vLLM runs their decode rows on the speculative path.)
+            # that plain steps cost what plain decoding costs.
             spec, self.speculative_config = self.speculative_config, None
             try:
                 out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
             finally:
                 self.speculative_config = spec
+            # GDN layers: no row is speculative, so vLLM's metadata builder
+            # (which reads these with spec decoding configured) sends every row
+            # down its plain path. That path reads the state DDTree's commit
+            # leaves: the recurrent state in state column 0 and the conv
+            # window in the first W - 1 conv columns (_update_states_after_model_execute).
+            self.num_decode_draft_tokens.np.fill(-1)
             self._ddtree_flush_stats()
             self.ddtree_trees = self.ddtree_round = self.ddtree_gdn_step = None
             self.ddtree_valid = None

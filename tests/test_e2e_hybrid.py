@@ -11,6 +11,8 @@ The engine runs (each in its own process):
 * DDTree with the adaptive budget under a pinned cost model: mixed
   per-request budgets (zero-draft rows and short trees among full ones), and
   plain steps after tree steps and back;
+* DDTree held in plain mode (vLLM's non-speculative GDN path from the state
+  the tree commit leaves), batched and one prompt at a time;
 * DDTree sampling at T = 0.8, top-k 5, top-p 0.95, rescored in fp32 for a
   randomized-PIT test on tokens past the first two.
 
@@ -133,6 +135,24 @@ def test_adaptive_budget_equals_plain_except_near_ties(tiny_hybrid, fp32_target,
     assert spec["drafts"] > 0 and dd["budget_plain_steps"] > 0
     assert spec["draft_tokens"] / spec["drafts"] < BUDGET - 1
     _assert_near_ties_only(fp32_target, prompts, plain, res, "adaptive", 0.5)
+
+
+def test_plain_mode_equals_plain_except_near_ties(tiny_hybrid, fp32_target, prompts, workdir,
+                                                  plain):
+    """A cost model under which trees never pay: plain mode throughout (a
+    probe tree every 32 plain steps), whose steps take vLLM's
+    non-speculative GDN path from the state the tree commit left; batched,
+    then one prompt at a time (plain steps of a single row)."""
+    n = NUM_PROMPTS // 2
+    res = _run(tiny_hybrid, prompts[:n], workdir, _ddtree(ddtree_adaptive=True),
+               one_at_a_time=True, env={"VLLM_DDTREE_COST_MODEL": "1,1,5"})
+    dd = res["spec"]["ddtree"]
+    print(f"\nplain mode: {dd['budget_decisions']} decisions, {dd['budget_plain_steps']} plain")
+    assert dd["budget_plain_steps"] > 0.8 * dd["budget_decisions"] > 0
+    ref = {"outputs": plain["outputs"][:n]}
+    _assert_near_ties_only(fp32_target, prompts[:n], ref, res, "plain mode", 0.5)
+    _assert_near_ties_only(fp32_target, prompts[:n], ref, {"outputs": res["single_outputs"]},
+                           "plain mode, one at a time", 0.5)
 
 
 # ---------------------------------------------------------------- sampling

@@ -177,6 +177,15 @@ class DDTreeRunnerMixin:
     # ------------------------------------------------------------------ the round
     def execute_model(self, scheduler_output, *args, **kwargs):
         _release_gemm_handles()
+        if self.ddtree is not None and self.ddtree_pending_context and (
+                scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids):
+            # Requests that finished or were preempted gave their blocks back,
+            # and this step's requests may own them now: pending context rows
+            # are stored before anything of this step writes a block. (The KV
+            # cache groups share memory, so a finished request's drafter rows
+            # stored later would land in, say, a new request's GDN state; a
+            # prefix-cached block gets the drafter context it lacked.)
+            self._ddtree_store_pending_context()
         if self.ddtree is not None and self.ddtree.adaptive:
             self._ddtree_step_clock(scheduler_output)
         return super().execute_model(scheduler_output, *args, **kwargs)

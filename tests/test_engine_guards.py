@@ -285,6 +285,29 @@ def test_target_kv_cache_groups():
         target_kv_cache_groups(cfg(["d0"]), target)
 
 
+def test_gdn_state_memory_warns_when_it_limits_the_batch(monkeypatch):
+    """A request holds 1 + budget blocks in each GDN group: a warning says
+    how many requests the KV cache holds when that is below max_num_seqs."""
+    from vllm_ddtree import runner
+
+    seen = []
+    monkeypatch.setattr(runner.logger, "warning", lambda msg, *a: seen.append(msg % a))
+    monkeypatch.setattr(runner.logger, "info", lambda *a: None)
+
+    def cfg(num_blocks):
+        spec = SimpleNamespace(page_size_bytes=1 << 20)
+        return SimpleNamespace(num_blocks=num_blocks, kv_cache_groups=[
+            SimpleNamespace(layer_names=["g0", "g1"], kv_cache_spec=spec),
+            SimpleNamespace(layer_names=["a0"], kv_cache_spec=spec),
+            SimpleNamespace(layer_names=["d0"], kv_cache_spec=spec)])
+
+    gdn = frozenset({"g0", "g1"})
+    runner.log_gdn_state_memory(cfg(1560), gdn, 64, 128)  # 65 + 2 blocks a request
+    assert len(seen) == 1 and "at most 23 requests" in seen[0] and "max_num_seqs=128" in seen[0]
+    runner.log_gdn_state_memory(cfg(1560), gdn, 8, 128)  # 1560 // 11 = 141 >= 128
+    assert len(seen) == 1
+
+
 # ---------------------------------------------------------------------------
 # Runtime guards in a real engine (CPU)
 # ---------------------------------------------------------------------------

@@ -327,3 +327,41 @@ def test_one_inflated_comparison_does_not_make_an_incumbent():
         trial(tuner, 0.01)
     trial(tuner, 0.005)
     assert tuner.best(1) == Arm("fixed", 2)  # mean and latest both above 1
+
+
+def test_a_switch_needs_comparisons_ahead_beyond_their_noise():
+    """Two comparisons 3 % ahead are within the noise of paired trials: the
+    incumbent stays (the rule before the confidence bound switched on them).
+    Two 12 % ahead switch on the second; so do several a few percent ahead
+    once they agree."""
+    def trial(tuner, seconds_per_step):  # one trial, to its close
+        arm, closed = tuner.arm(1), tuner.closed
+        while tuner.closed == closed:
+            tuner.observe(1, 1.0, seconds_per_step)
+        return arm
+
+    def challenge(tuner, ratio):  # plain's trials until fixed2 runs, then fixed2's
+        while tuner.arm(1) != Arm("fixed", 2):
+            trial(tuner, 0.01)
+        trial(tuner, 0.01 / ratio)
+
+    def fresh():
+        tuner = RateTuner(2, trial_seconds=0.05, min_steps=4, with_model=False)
+        assert trial(tuner, 0.01) == Arm("plain")
+        return tuner
+
+    tuner = fresh()
+    challenge(tuner, 1.03)
+    challenge(tuner, 1.03)
+    assert tuner.best(1) == Arm("plain")
+    tuner = fresh()
+    challenge(tuner, 1.12)
+    assert tuner.best(1) == Arm("plain")  # never on a first trial
+    challenge(tuner, 1.12)
+    assert tuner.best(1) == Arm("fixed", 2)
+    tuner = fresh()
+    for _ in range(6):
+        challenge(tuner, 1.06)
+        if tuner.best(1) == Arm("fixed", 2):
+            break
+    assert tuner.best(1) == Arm("fixed", 2)

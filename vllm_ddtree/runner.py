@@ -165,7 +165,7 @@ class DDTreeRunnerMixin:
                 kv_cache_config, self.drafter.target_attn_layers)
             if self.ddtree_gdn_layers:
                 log_gdn_state_memory(kv_cache_config, self.ddtree_gdn_layers,
-                                     self.ddtree.budget)
+                                     self.ddtree.budget, self.scheduler_config.max_num_seqs)
             if self.device.type == "cpu":  # compiled already; no graphs to capture
                 self._ddtree_start_policy()
 
@@ -975,16 +975,31 @@ def check_tree_capable_gdn_layers(vllm_config) -> frozenset[str]:
     return frozenset(layers)
 
 
-def log_gdn_state_memory(kv_cache_config, gdn_layers: frozenset[str], budget: int) -> None:
+def log_gdn_state_memory(kv_cache_config, gdn_layers: frozenset[str], budget: int,
+                         max_num_seqs: int) -> None:
     """Log what one request's GDN states take at this budget (``1 + budget``
-    state blocks per GDN layer, as vLLM allocates them)."""
-    per_layer = {}
-    for grp in kv_cache_config.kv_cache_groups:
-        for name in gdn_layers.intersection(grp.layer_names):
+    state blocks per GDN layer, as vLLM allocates them), and warn when the
+    KV cache cannot hold ``max_num_seqs`` requests at once because of them."""
+    per_layer, gdn_groups = {}, 0
+    groups = kv_cache_config.kv_cache_groups
+    for grp in groups:
+        names = gdn_layers.intersection(grp.layer_names)
+        gdn_groups += bool(names)
+        for name in names:
             per_layer[name] = grp.kv_cache_spec.page_size_bytes
     total = sum(per_layer.values()) * (1 + budget)
     logger.info("DDTree: %d Gated DeltaNet layers x %d state slots (budget %d + 1) take "
                 "%.1f MiB per request", len(per_layer), 1 + budget, budget, total / 2**20)
+    # every group draws its blocks from one pool; a request holds 1 + budget
+    # blocks in each GDN group and at least one in every other group
+    blocks = gdn_groups * (1 + budget) + len(groups) - gdn_groups
+    most = kv_cache_config.num_blocks // max(blocks, 1)
+    if gdn_groups and most < max_num_seqs:
+        logger.warning(
+            "DDTree: with %d state slots per Gated DeltaNet layer (budget %d + 1), the KV "
+            "cache holds at most %d requests at once (max_num_seqs=%d), in plain steps as "
+            "well. A smaller num_speculative_tokens or more KV-cache memory lets more "
+            "requests decode together.", 1 + budget, budget, most, max_num_seqs)
 
 
 def target_kv_cache_groups(kv_cache_config,

@@ -42,17 +42,26 @@ Choice, per batch-size bucket (1, 2-7, 8-31, 32-127, ...)
     its own (the incumbent runs almost always): a request's rate drifts as
     its context grows, every arm's alike, and paired comparisons do not see
     the drift, where comparing trials run minutes apart would favour
-    whichever arm was measured earlier. A challenger whose relative rate
-    (a mean that halves the weight of older trials at each new one) and
-    latest comparison both pass ``1 + margin`` (0 by default), on its second
-    trial or later, becomes the incumbent (neither its first trial alone
-    nor a mean inflated by one trial whose reference a busy machine slowed
-    decides), and the relative rates are re-based on it. A challenger is
+    whichever arm was measured earlier. Each challenger keeps a relative
+    rate (a mean that halves the weight of older trials at each new one),
+    which steers exploration, and its latest ``window`` paired log ratios,
+    which decide: it becomes the incumbent when their mean (older ones
+    weighing half at each newer one, as above), less ``confidence`` standard
+    errors over their effective number (the spread taken as at least
+    ``noise`` per comparison), passes ``log(1 + margin)`` (0 by default) and
+    its latest comparison passes ``1 + margin``. So neither its first trial
+    alone, nor a mean inflated by one trial whose reference a busy machine
+    slowed, nor two comparisons a few percent ahead decide; a challenger
+    ahead by 10 % with steady comparisons switches on its second trial, one
+    within the noise only after several. The relative rates and log ratios
+    are then re-based on the new incumbent. A challenger is
     compared only with an incumbent trial that ended at most
     ``stale_seconds`` of engine time before it began (10 trials' worth by
     default); when the load comes back to a bucket after longer, the
     incumbent runs first. Each arm also keeps a discounted count of its
-    trials (every trial multiplies all counts by ``discount``).
+    trials (every trial multiplies all counts by ``discount``, and a switch
+    of incumbent halves them: the rates re-based through one estimated scale,
+    perhaps in a changed regime, are re-measured sooner).
     A new bucket first tries the arms once each: plain, the model, then the
     budget ladder from its middle outwards, skipping a fixed arm that lies
     beyond one measured more than ``prune`` below the best (budgets are taken
@@ -156,6 +165,7 @@ def _typical_seconds(trial: "_Trial") -> float:
 @dataclass
 class _ArmStats:
     rel: float | None = None  # decayed mean of its rate over the best arm's latest
+    logs: list[float] = field(default_factory=list)  # its latest paired log ratios
     last: float | None = None  # its latest trial's rate, tokens/s per request
     at: float = -math.inf  # engine time when its latest trial ended
     trials: int = 0
@@ -191,8 +201,8 @@ class RateTuner:
     def __init__(self, budget: int, trial_seconds: float = 0.3, min_steps: int = 8,
                  min_close: int = 3, explore: float = 0.05, discount: float = 0.985,
                  decay: float = 0.5, prune: float = 0.25, abandon: float = 0.5,
-                 margin: float = 0.0,
-                 with_model: bool = True,
+                 margin: float = 0.0, confidence: float = 1.0, noise: float = 0.05,
+                 window: int = 6, with_model: bool = True,
                  stale_seconds: float | None = None) -> None:
         if budget < 1:
             raise ValueError(f"RateTuner: budget must be >= 1, got {budget}")
@@ -208,6 +218,9 @@ class RateTuner:
         self.prune = prune
         self.abandon = abandon
         self.margin = margin
+        self.confidence = confidence
+        self.noise = noise
+        self.window = window
         self.stale_seconds = 10 * trial_seconds if stale_seconds is None else stale_seconds
         self.arms = tuner_arms(budget, with_model)
         self._by_name = {a.name: a for a in self.arms}
@@ -354,16 +367,44 @@ class RateTuner:
             return  # no recent trial of the incumbent to compare with
         ratio = rate / incumbent.last
         st.rel = ratio if st.rel is None else (1 - self.decay) * st.rel + self.decay * ratio
-        if st.rel > 1.0 + self.margin and ratio > 1.0 + self.margin and st.trials >= 2:
-            # a new incumbent, when its mean and its latest comparison both
-            # say so (not on its first trial, nor on a mean that one earlier
-            # trial, its reference slowed by a busy machine, inflated):
-            # relative rates re-based on it
+        st.logs.append(math.log(ratio))
+        del st.logs[:-self.window]
+        if ratio > 1.0 + self.margin and self._surely_ahead(st.logs):
+            # a new incumbent, when its paired comparisons are ahead beyond
+            # their noise and its latest one agrees (never on its first trial,
+            # nor on a mean that one trial against a reference slowed by a
+            # busy machine inflated): relative rates re-based on it
             scale = st.rel
+            shift = math.log(scale)
             for other in bucket.stats.values():
                 if other.rel is not None:
                     other.rel /= scale
+                other.logs = [x - shift for x in other.logs]
+                # (rates re-based through one estimated scale, perhaps in a
+                # changed regime: each is re-measured sooner)
+                other.weight *= 0.5
+            st.logs = []
+            bucket.stats[bucket.best].logs = [-shift]
             bucket.best = name
+
+    def _surely_ahead(self, logs: list[float]) -> bool:
+        """Whether a challenger's paired log ratios (at least two) put its
+        rate above the incumbent's by more than ``margin`` with confidence.
+        Older comparisons weigh ``decay`` times less at each newer one (so a
+        regime that changed is followed within a few trials); the test is the
+        weighted mean less ``confidence`` standard errors over the effective
+        number of comparisons, the spread taken as at least ``noise`` per
+        comparison (two comparisons say little about their own spread)."""
+        n = len(logs)
+        if n < 2:
+            return False
+        w = [self.decay ** (n - 1 - i) for i in range(n)]
+        sw, sw2 = sum(w), sum(x * x for x in w)
+        mean = sum(wi * x for wi, x in zip(w, logs)) / sw
+        n_eff = sw * sw / sw2
+        var = sum(wi * (x - mean) ** 2 for wi, x in zip(w, logs)) / sw * n_eff / (n_eff - 1)
+        spread = max(math.sqrt(var), self.noise)
+        return mean - self.confidence * spread / math.sqrt(n_eff) > math.log1p(self.margin)
 
     def _next_arm(self, b: int) -> Arm:
         bucket = self._buckets.get(b)

@@ -142,7 +142,10 @@ def test_dp2_server_serves_with_metrics_per_engine(tiny_pair, plain, tmp_path, m
 
     target, drafter = tiny_pair
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": 16}
+    # a fixed budget: every engine verifies trees (the adaptive default may
+    # run plain throughout an engine's share of a short workload)
+    spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": 16,
+            "ddtree_adaptive": False}
     with serving(target, "tiny", spec, tmp_path / "server.log", "--dtype", "float32",
                  "--enforce-eager", "--data-parallel-size", "2") as base:
         def complete(prompt):

@@ -308,6 +308,19 @@ def test_gdn_state_memory_warns_when_it_limits_the_batch(monkeypatch):
     assert len(seen) == 1
 
 
+def test_trial_seconds_from_the_environment(monkeypatch):
+    from vllm_ddtree import runner
+
+    monkeypatch.delenv("VLLM_DDTREE_TRIAL_SECONDS", raising=False)
+    assert runner._tuner_overrides() == {}
+    monkeypatch.setenv("VLLM_DDTREE_TRIAL_SECONDS", "0.05")
+    assert runner._tuner_overrides() == {"trial_seconds": 0.05}
+    for bad in ("0", "-1", "fast"):
+        monkeypatch.setenv("VLLM_DDTREE_TRIAL_SECONDS", bad)
+        with pytest.raises(ValueError, match="VLLM_DDTREE_TRIAL_SECONDS must be"):
+            runner._tuner_overrides()
+
+
 # ---------------------------------------------------------------------------
 # Runtime guards in a real engine (CPU)
 # ---------------------------------------------------------------------------

@@ -78,6 +78,9 @@ ENV_COST = "VLLM_DDTREE_COST_MODEL"
 # accepted past the cut) so that tree batches stay uniform. Default: exactly
 # when tree steps run under full CUDA graphs.
 ENV_PAD = "VLLM_DDTREE_PAD_TREES"
+# seconds of engine time per trial of the adaptive budget's rate tuner
+# (default 0.3): shorter trials end the cold start within a short run.
+ENV_TRIAL = "VLLM_DDTREE_TRIAL_SECONDS"
 
 
 class DDTreeRunnerMixin:
@@ -717,7 +720,7 @@ class DDTreeRunnerMixin:
             cost = self._ddtree_profile_costs(max_tokens, max_reqs)
         self.ddtree_policy = AdaptivePolicy(self.ddtree.budget, cost, self.device)
         if not pinned:
-            self.ddtree_tuner = RateTuner(self.ddtree.budget)
+            self.ddtree_tuner = RateTuner(self.ddtree.budget, **_tuner_overrides())
 
     @torch.inference_mode()
     def _ddtree_profile_costs(self, max_tokens: int, max_reqs: int) -> CostModel:
@@ -821,6 +824,21 @@ class DDTreeRunnerMixin:
 PROFILE_MAX_TOKENS = 1024  # largest dummy forward of the start-up profile
 # Plain steps' tokens kept for the drafter's context before they are stored anyway.
 PENDING_CONTEXT_ROWS = 8192
+
+
+def _tuner_overrides() -> dict:
+    """The rate tuner's trial length from ``VLLM_DDTREE_TRIAL_SECONDS``, if set."""
+    text = os.environ.get(ENV_TRIAL, "").strip()
+    if not text:
+        return {}
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{ENV_TRIAL} must be a number of seconds > 0 (the adaptive "
+                         f"budget's trial length; default 0.3), got {text!r}")
+    return {"trial_seconds": seconds}
 
 
 def _contiguous_gdn_state_indices(attn_metadata: dict, gdn_layers: frozenset[str]) -> None:

@@ -40,7 +40,10 @@ counting the steps in which every request decodes one token without drafts
 (the plain-mode engine's probe steps are left out). A plain-mode step must
 cost what a plain step costs::
 
-    python -m benchmarks.bench_step --plain-mode --concurrency 1 4 16 --rounds 3 Per (arm, concurrency) the
+    python -m benchmarks.bench_step --plain-mode --concurrency 1 4 16 --rounds 3
+
+and, for a Gated DeltaNet hybrid (bf16), add ``--target models/tiny-qwen35
+--drafter models/tiny-qwen35-dflash --dtype bfloat16``. Per (arm, concurrency) the
 script reports the median over rounds of each round's median per stage, the
 tree/chain ratio of the step time, and tokens/s and acceptance length of the
 same runs. Results: ``benchmarks/results/step_<tag>.json`` and a Markdown
@@ -391,7 +394,8 @@ def main(argv=None) -> int:
     procs, conns = {}, {}
     for name, extra in arms.items():
         parent, child = ctx.Pipe()
-        arm = dict(extra, target=args.target, dtype=args.dtype, max_c=max_c, plain_steps=args.plain_mode)
+        arm = dict(extra, target=args.target, dtype=args.dtype, max_c=max_c,
+                   plain_steps=args.plain_mode)
         procs[name] = ctx.Process(target=worker, args=(arm, child), name=f"bench-{name}")
         procs[name].start()
         conns[name] = parent

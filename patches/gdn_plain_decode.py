@@ -24,6 +24,8 @@ The replacement: a batch of decode rows only (no prefill), on a layer whose
 conv weight vLLM packed, where the stock function would take the torch
 update: the conv through the C++ update and the recurrence through the same
 fused kernel as the stock decode. Every other call runs the stock function.
+Both get the plain rows' state indices as a dense tensor (vLLM's one-row
+column view crashes its kernel).
 
 Upstream status: vLLM 0.32 widened the plain path's conv predicate to
 AVX-512 BF16 but not this one. Drop this patch when it does.
@@ -57,14 +59,20 @@ def _build(original):
     def _spec_aware_nonspec(layer, attn_metadata_i, mixed_qkv, b, a, core_attn_out, conv_buf,
                             ssm_state, width):
         md = attn_metadata_i
+        rows = md.non_spec_state_indices_tensor
+        if rows is not None and rows.dim() == 1 and rows.stride(0) != 1:
+            # vLLM hands column 0 of the state block table, a strided view; for
+            # one row .contiguous() keeps the stride and vLLM CPU's recurrent
+            # kernel refuses it ("must be contiguous at last dimension"): a
+            # dense copy, for the stock path too (the metadata is shared by
+            # the step's GDN layers, so the first one makes it)
+            md.non_spec_state_indices_tensor = rows.clone(memory_format=torch.contiguous_format)
         if (md.num_prefills or not md.num_decodes or not packed_conv_weight(layer)
                 or torch.cpu._is_amx_tile_supported() or stock.is_arm_bf16()):
             return original(layer, attn_metadata_i, mixed_qkv, b, a, core_attn_out, conv_buf,
                             ssm_state, width)
         n, t = md.num_decodes, md.num_decode_tokens
-        # (a dense copy: a one-row column view of the block table keeps its
-        # stride through .contiguous(), and the kernels refuse it)
-        rows = md.non_spec_state_indices_tensor[:n].clone(memory_format=torch.contiguous_format)
+        rows = md.non_spec_state_indices_tensor[:n]
         x = stock._causal_conv1d_update_cpu(
             x=mixed_qkv[:t], conv_states=conv_buf, weight=layer.conv1d.weight,
             bias=layer.conv1d.bias, silu_activation=layer.activation == "silu",

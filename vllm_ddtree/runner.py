@@ -281,8 +281,6 @@ class DDTreeRunnerMixin:
         attn_metadata, spec_cad = super()._build_attention_metadata(*args, **kwargs)
         if self.ddtree is None:
             return attn_metadata, spec_cad
-        if self.ddtree_gdn_layers and isinstance(attn_metadata, dict):
-            _contiguous_gdn_state_indices(attn_metadata, self.ddtree_gdn_layers)
         if self.ddtree_capture is not None:  # a full CUDA graph of a tree batch
             attach_info(attn_metadata, self.drafter.target_attn_layers, self.ddtree_capture)
         elif self.ddtree_round is not None:
@@ -839,23 +837,6 @@ def _tuner_overrides() -> dict:
         raise ValueError(f"{ENV_TRIAL} must be a number of seconds > 0 (the adaptive "
                          f"budget's trial length; default 0.3), got {text!r}")
     return {"trial_seconds": seconds}
-
-
-def _contiguous_gdn_state_indices(attn_metadata: dict, gdn_layers: frozenset[str]) -> None:
-    """A step with no speculative row: vLLM's GDN builder hands the plain
-    path column 0 of the state block table (``[:, 0]``, a strided view), and
-    with a single decode row ``.contiguous()`` keeps its stride, which vLLM
-    CPU's ``fused_sigmoid_gating_delta_rule_update_cpu`` refuses ("must be
-    contiguous at last dimension"). The indices, copied to a dense tensor."""
-    done = set()
-    for name in gdn_layers:
-        md = attn_metadata.get(name)
-        if md is None or id(md) in done or getattr(md, "spec_sequence_masks", 1) is not None:
-            continue
-        done.add(id(md))
-        idx = md.non_spec_state_indices_tensor
-        if idx is not None and idx.dim() == 1 and idx.stride(0) != 1:
-            md.non_spec_state_indices_tensor = idx.new_empty(idx.shape).copy_(idx)
 
 
 def _no_drafts(spec_decode_metadata) -> bool:

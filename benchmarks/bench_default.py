@@ -31,7 +31,9 @@ Per (configuration, c): tokens/s per arm (median over rounds), the best
 non-default arm, the default's ratio to it (of the medians, and the median of
 the same ratio within each round; each round starts one arm further on), and
 the steps the default's rate tuner gave each of its arms (plain, fixed
-budgets, the cost model), read from the counters behind ``/metrics``. Results:
+budgets, the cost model), read from the counters behind ``/metrics``, and
+every trial the tuner closed, with its own numbers (``--trials JSON`` prints
+them, one line per measurement). Results:
 ``benchmarks/results/default_<config>.json``, a Markdown table on stdout,
 and with ``--plot`` tokens/s against concurrency per configuration.
 """
@@ -101,6 +103,12 @@ def run_config(name: str, args) -> dict:
                                                for a in jobs}
     # the default's rate tuner: steps per arm in each measured round
     tuner: dict[int, list[dict[str, float]]] = {c: [] for c in args.concurrency}
+    # and every trial its tuner closed, in order, with the tuner's own numbers
+    trials: list[dict] = []
+
+    def keep_trials(res: dict, phase: str, c: int) -> None:
+        if res.get("trials"):
+            trials.append({"phase": phase, "c": c, "trials": res["trials"]})
     t0 = time.time()
     with Arms(jobs) as engines:
         print(f"[{name}] {len(jobs)} engines ready in {time.time() - t0:.0f} s",
@@ -113,7 +121,9 @@ def run_config(name: str, args) -> dict:
 
         for c in args.concurrency:  # warm-up, and the arms must agree
             prompts, sampling = workload(c, 0)
-            outs = {a: engines.run(a, prompts, sampling)["outputs"] for a in engines.names}
+            results = {a: engines.run(a, prompts, sampling) for a in engines.names}
+            keep_trials(results["default"], "warm-up 1", c)
+            outs = {a: res["outputs"] for a, res in results.items()}
             bad = [a for a in outs if outs[a] != outs["plain"]]
             if bad and cfg["llm"]["dtype"] == "float32":
                 raise RuntimeError(f"[{name}] c={c}: greedy outputs of {bad} differ from "
@@ -126,7 +136,9 @@ def run_config(name: str, args) -> dict:
             for w in range(1, args.warmup):
                 prompts, sampling = workload(c, 100 + w)
                 for a in engines.names:
-                    engines.run(a, prompts, sampling)
+                    res = engines.run(a, prompts, sampling)
+                    if a == "default":
+                        keep_trials(res, f"warm-up {w + 1}", c)
         for r in range(args.rounds):
             # each round starts one arm further on: no arm always runs first
             # or right after the same neighbour
@@ -140,6 +152,7 @@ def run_config(name: str, args) -> dict:
                         taus[a][c].append(1 + res["accepted_tokens"] / res["drafts"])
                     if a == "default":
                         tuner[c].append(res.get("arm_steps", {}))
+                        keep_trials(res, f"round {r + 1}", c)
                 line = ", ".join(f"{a} {rates[a][c][-1]:.0f}" for a in engines.names)
                 print(f"[{name}] round {r + 1} c={c}: {line}", file=sys.stderr, flush=True)
     cells = {}
@@ -161,7 +174,7 @@ def run_config(name: str, args) -> dict:
                     "tau": {a: statistics.median(t) if t else None
                             for a, t in ((a, taus[a][c]) for a in jobs)},
                     "rounds": {a: rates[a][c] for a in jobs}}
-    return {"config": name, "models": cfg, "cells": cells}
+    return {"config": name, "models": cfg, "cells": cells, "default_trials": trials}
 
 
 def markdown(result: dict) -> str:
@@ -185,6 +198,30 @@ def markdown(result: dict) -> str:
             f"{cells[c]['paired_ratio']:.2f}x" for c in concs) + " |")
         lines.append("| default's steps by arm | " + " | ".join(
             _shares(cells[c]["default_arm_steps"]) for c in concs) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def trial_story(result: dict) -> str:
+    """The default's tuner trials of a recorded run, one line per measurement:
+    each trial as arm (its ratio over the incumbent's latest trial, if
+    compared), ``->`` marking a new incumbent, ``[lo-hi]`` a trial in another
+    batch-size bucket than the measurement's (a trial closes when the first
+    step of another bucket comes, so the last trial of one measurement is
+    listed with the next)."""
+    from vllm_ddtree.core.tuner import bucket_of, bucket_range
+
+    lines = [f"\n{result['config']}: the default's trials (ratio over the incumbent; "
+             f"-> a switch)"]
+    for part in result.get("default_trials", []):
+        items = []
+        for t in part["trials"]:
+            ratio = f" {t['ratio']:.2f}" if t["ratio"] is not None else ""
+            switch = "->" if t["best"] == t["arm"] and t["ratio"] is not None else ""
+            lo, hi = bucket_range(t["bucket"])
+            other = (f"[{lo}]" if hi == lo else f"[{lo}-{hi or ''}]") \
+                if t["bucket"] != bucket_of(part["c"]) else ""
+            items.append(f"{switch}{t['arm']}{other}{ratio}")
+        lines.append(f"  {part['phase']:>9} c={part['c']:<3} " + ", ".join(items))
     return "\n".join(lines) + "\n"
 
 
@@ -239,8 +276,14 @@ def main() -> int:
     ap.add_argument("--plot", help="PNG: tokens/s against concurrency per configuration")
     ap.add_argument("--replot", nargs="+", metavar="JSON",
                     help="draw recorded results instead of measuring")
+    ap.add_argument("--trials", nargs="+", metavar="JSON",
+                    help="print the default's tuner trials of recorded results")
     args = ap.parse_args()
     outdir = ROOT / "benchmarks" / "results"
+    if args.trials:
+        for p in args.trials:
+            print(trial_story(json.loads(Path(p).read_text())))
+        return 0
     if args.replot:
         plot([json.loads(Path(p).read_text()) for p in args.replot], args.plot)
         return 0

@@ -42,6 +42,7 @@ def _worker(job: dict, conn) -> None:
         llm = LLM(model=job["model"], speculative_config=job.get("speculative_config"),
                   **kwargs)
         arms = _tuner_arms(llm)
+        seen = llm.collective_rpc(_tuner_trials, args=(0,))[0][1] if arms is not None else 0
         conn.send(("ready", None))
     except Exception:  # noqa: BLE001 - reported to the driver
         conn.send(("error", traceback.format_exc()))
@@ -64,6 +65,8 @@ def _worker(job: dict, conn) -> None:
             if arms is not None:  # the steps each of the tuner's arms decided
                 grown["arm_steps"] = {a: float(x) for a, x in
                                       zip(arms.names, arms.steps() - steps0) if x}
+                # and the trials that decided them, with the tuner's own numbers
+                grown["trials"], seen = llm.collective_rpc(_tuner_trials, args=(seen,))[0]
             conn.send(("ok", {"seconds": seconds,
                               "num_tokens": sum(len(c.token_ids) for o in outs
                                                 for c in o.outputs),
@@ -71,6 +74,17 @@ def _worker(job: dict, conn) -> None:
                               **grown}))
         except Exception:  # noqa: BLE001
             conn.send(("error", traceback.format_exc()))
+
+
+def _tuner_trials(worker, seen: int) -> tuple[list[dict], int]:
+    """(run on the worker) The rate tuner's trials closed since the first
+    ``seen`` (``core/tuner.py``'s :class:`TrialRecord`), and the count now."""
+    tuner = worker.model_runner.ddtree_tuner
+    if tuner is None:
+        return [], 0
+    new = min(tuner.closed - seen, len(tuner.history))
+    records = list(tuner.history)[len(tuner.history) - new:] if new > 0 else []
+    return [rec._asdict() for rec in records], tuner.closed
 
 
 class _TunerArms:

@@ -7,7 +7,8 @@ __all__ = ["Patch", "PatchError", "all_patches"]
 
 def all_patches() -> list[Patch]:
     """The patches the plugin applies, in order."""
-    from vllm_ddtree.patches import (cpu_dflash_k_norm, cpu_gemm_handler_del, cpu_seed_rewind,
+    from vllm_ddtree.patches import (cpu_dflash_context_gemm, cpu_dflash_k_norm,
+                                     cpu_gemm_handler_del, cpu_seed_rewind,
                                      gdn_plain_decode, gdn_tree, gdn_tree_cuda, logitsprocs,
                                      model_runner, request_params, spec_config, stat_loggers,
                                      structured_output)
@@ -16,7 +17,7 @@ def all_patches() -> list[Patch]:
             request_params.PATCH,
             logitsprocs.PATCH, model_runner.CPU_RUNNER, model_runner.CUDA_RUNNER,
             stat_loggers.PATCH, cpu_seed_rewind.SNAPSHOT, cpu_seed_rewind.REWIND,
-            cpu_dflash_k_norm.PATCH, cpu_gemm_handler_del.PATCH, gdn_tree.PATCH,
+            cpu_dflash_k_norm.PATCH, cpu_dflash_context_gemm.PATCH, cpu_gemm_handler_del.PATCH, gdn_tree.PATCH,
             gdn_plain_decode.PATCH,
             *gdn_tree_cuda.PATCHES, structured_output.UPDATE_DRAFTS, structured_output.BITMASK,
             structured_output.SCHEDULE]

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import sys
 from typing import Any
 
 from vllm_ddtree.patches.base import CPU_ONLY, Patch, on_cpu
@@ -86,7 +87,9 @@ def release_pending() -> int:
 
 def _build(original):
     @functools.wraps(original)
-    def __del__(self):
+    def __del__(self, _finalizing=sys.is_finalizing):
+        if _finalizing():  # interpreter exit: module globals may be gone, the OS frees all
+            return
         release_handle(self)
 
     return __del__

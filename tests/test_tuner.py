@@ -185,7 +185,7 @@ def test_exploration_is_cheap_when_plain_wins_by_far(seed):
     chosen, _, _ = _run(tuner, lambda t, r: rates, 400, seed=seed)
     assert chosen[0] == "plain"
     assert chosen.count("plain") >= 380, {n: chosen.count(n) for n in rates}
-    tried = {a for _, a, _ in tuner.history}
+    tried = {rec.arm for rec in tuner.history}
     assert tuner.closed == len(tuner.history) > 0  # what the runner's rate export keys on
     assert "fixed2" not in tried and "fixed16" not in tried  # beyond a far-behind arm
     assert tuner.best(4) == Arm("plain")
@@ -275,7 +275,7 @@ def test_back_in_a_bucket_after_a_while_the_incumbent_runs_first():
     for _ in range(20):
         tuner.observe(1, 3.0, 0.01)
     assert tuner.rates(1)["fixed8"] == pytest.approx(before["fixed8"])
-    assert tuner.history[-1][1] == "fixed8"  # the trial did close
+    assert tuner.history[-1].arm == "fixed8"  # the trial did close
 
 
 def test_arms_behind_end_their_trials_the_sooner_the_further_behind():

@@ -40,6 +40,7 @@ import os
 import time
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from vllm.config import get_layers_from_vllm_config
@@ -183,12 +184,13 @@ class DDTreeRunnerMixin:
         if self.ddtree is not None and self.ddtree_pending_context and (
                 scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids):
             # Requests that finished or were preempted gave their blocks back,
-            # and this step's requests may own them now: pending context rows
-            # are stored before anything of this step writes a block. (The KV
-            # cache groups share memory, so a finished request's drafter rows
-            # stored later would land in, say, a new request's GDN state; a
-            # prefix-cached block gets the drafter context it lacked.)
-            self._ddtree_store_pending_context()
+            # and this step's requests may own them now: their pending context
+            # rows must not be stored after anything of this step writes a
+            # block (the KV cache groups share memory, so a finished request's
+            # drafter rows stored later would land in, say, a new request's GDN
+            # state).
+            self._ddtree_release_pending_context(
+                scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids)
         if self.ddtree is not None and self.ddtree.adaptive:
             self._ddtree_step_clock(scheduler_output)
         return super().execute_model(scheduler_output, *args, **kwargs)
@@ -573,6 +575,37 @@ class DDTreeRunnerMixin:
         # No drafts as lists (vLLM's path for host-side proposers): nothing to
         # copy to the host and turn into num_reqs x budget Python ints.
         return [[] for _ in range(num_reqs)]
+
+    def _ddtree_release_pending_context(self, req_ids) -> None:
+        """Pending context rows of requests that gave their blocks back
+        (``req_ids``, finished or preempted). With prefix caching their full
+        blocks stay in the cache for later requests, which need the drafter
+        context: every pending row is stored now. Without it nothing reads
+        those blocks' drafter context again (a preempted request prefills
+        anew): their rows are dropped, and only the rest stays pending. At
+        high load, where the adaptive budget runs plain, most requests finish
+        without drafting again, and storing their context was most of what a
+        plain-mode round cost over plain decoding."""
+        if self.cache_config.enable_prefix_caching:
+            self._ddtree_store_pending_context()
+            return
+        table = self.input_batch.block_table[self.drafter.kv_cache_gid]
+        rows = [self.input_batch.req_id_to_index.get(rid) for rid in req_ids]
+        if any(r is None for r in rows) or table.dcp_world_size != 1:
+            self._ddtree_store_pending_context()  # blocks not known here: the safe way
+            return
+        blocks = np.concatenate([table.block_table.np[r, :table.num_blocks_per_row[r]]
+                                 for r in rows] + [np.zeros(0, dtype=np.int32)])
+        freed = torch.from_numpy(blocks.astype(np.int64))
+        kept = []
+        for hidden, positions, slots in self.ddtree_pending_context:
+            live = ~torch.isin(slots // table.block_size, freed.to(slots.device))
+            if bool(live.all()):
+                kept.append((hidden, positions, slots))
+            elif bool(live.any()):
+                kept.append((hidden[live], positions[live], slots[live]))
+        self.ddtree_pending_context = kept
+        self.ddtree_pending_rows = sum(p[2].shape[0] for p in kept)
 
     def _ddtree_store_pending_context(self) -> None:
         """The drafter's context K/V of the tokens of plain steps since it last

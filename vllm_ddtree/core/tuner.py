@@ -90,8 +90,9 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-__all__ = ["Arm", "RateTuner", "bucket_of", "bucket_range", "budget_ladder", "tuner_arms"]
+__all__ = ["Arm", "RateTuner", "TrialRecord", "bucket_of", "bucket_range", "budget_ladder", "tuner_arms"]
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,19 @@ class Arm:
 
 
 HISTORY = 4096  # trials kept in RateTuner.history
+
+
+class TrialRecord(NamedTuple):
+    """One closed trial, as :attr:`RateTuner.history` keeps it: the tuner's
+    own numbers behind every choice it made."""
+
+    bucket: int
+    arm: str
+    rate: float  # tokens/s per request, at the typical step time
+    steps: int  # counted steps
+    ratio: float | None  # over the incumbent's latest trial (None: it is the incumbent, or stale)
+    best: str  # the incumbent after this trial (a switch when it is ``arm``, not before)
+    at: float  # engine seconds when the trial closed
 
 
 def tuner_arms(budget: int, with_model: bool = True) -> list[Arm]:
@@ -230,8 +244,8 @@ class RateTuner:
         self._trial: _Trial | None = None
         self._clock = 0.0  # engine time: the sum of every reported step's seconds
         self.closed = 0  # trials closed so far (what the measured rates last changed with)
-        # (bucket, arm, rate) of the latest trials (bounded: a server runs for days)
-        self.history: deque[tuple[int, str, float]] = deque(maxlen=HISTORY)
+        # the latest trials (bounded: a server runs for days)
+        self.history: deque[TrialRecord] = deque(maxlen=HISTORY)
 
     # ------------------------------------------------------------ decisions
     def arm(self, num_reqs: int) -> Arm:
@@ -295,7 +309,7 @@ class RateTuner:
         """The bucket of the last trial that closed, with its arms' rates."""
         if not self.history:
             return None
-        b = self.history[-1][0]
+        b = self.history[-1].bucket
         return b, self.rates(bucket_range(b)[0])
 
     # ------------------------------------------------------------ internals
@@ -356,17 +370,24 @@ class RateTuner:
         st.weight += 1.0
         bucket.trials += 1
         self.closed += 1
-        self.history.append((trial.bucket, name, rate))
+        ratio = self._compare(bucket, name, st, rate, trial.seconds)
+        self.history.append(TrialRecord(trial.bucket, name, rate, trial.counted, ratio,
+                                        bucket.best, self._clock))
+
+    def _compare(self, bucket: _Bucket, name: str, st: _ArmStats, rate: float,
+                 seconds: float) -> float | None:
+        """Judge a closed trial against the incumbent (perhaps making it the
+        new one); its ratio over the incumbent's latest trial, if compared."""
         if bucket.best is None or bucket.best == name:
             bucket.best, st.rel = name, 1.0  # the incumbent sets the scale
-            return
+            return None
         # A challenger is judged against the incumbent's latest trial, which
         # ran just before it (the incumbent runs almost always): both saw the
         # same load and context lengths, so a rate that drifts as requests
         # grow (every arm slows down together) does not decide.
         incumbent = bucket.stats[bucket.best]
-        if self._stale(incumbent, before=trial.seconds):
-            return  # no recent trial of the incumbent to compare with
+        if self._stale(incumbent, before=seconds):
+            return None  # no recent trial of the incumbent to compare with
         ratio = rate / incumbent.last
         st.rel = ratio if st.rel is None else (1 - self.decay) * st.rel + self.decay * ratio
         st.logs.append(math.log(ratio))
@@ -388,6 +409,7 @@ class RateTuner:
             st.logs = []
             bucket.stats[bucket.best].logs = [-shift]
             bucket.best = name
+        return ratio
 
     def _surely_ahead(self, logs: list[float]) -> bool:
         """Whether a challenger's paired log ratios (at least two) put its

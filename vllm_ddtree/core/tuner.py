@@ -48,15 +48,21 @@ Choice, per batch-size bucket (1, 2-7, 8-31, 32-127, ...)
     which decide: it becomes the incumbent when their mean (older ones
     weighing half at each newer one, as above), less ``confidence`` standard
     errors over their effective number (the spread taken as at least
-    ``noise`` per comparison), passes ``log(1 + margin)`` (0 by default) and
-    its latest comparison passes ``1 + margin``. So neither its first trial
-    alone, nor a mean inflated by one trial whose reference a busy machine
-    slowed, nor two comparisons a few percent ahead decide; a challenger
-    ahead by 10 % with steady comparisons switches on its second trial, one
-    within the noise only after several (``noise`` 0.08: on a busy 2-core
-    machine one arm's consecutive trials at one request varied by about
-    +-10 %, and a gain under about 5 % is never adopted). The relative rates
-    and log ratios are then re-based on the new incumbent. A challenger is
+    ``noise`` per comparison), passes ``log(1 + margin)`` (0 by default),
+    there are at least ``min_comparisons`` (3) of them, and its latest
+    comparison passes ``1 + margin``. Each comparison counts at most ``clip``
+    (3x) either way. So neither its first trials alone, nor a mean inflated
+    by one trial whose reference a busy machine slowed (on the 2-core machine
+    one arm's consecutive trials at one request varied from 0.45x to 1x of
+    each other, and one such comparison once put fixed B = 32 at 4.4x plain
+    where it delivers 0.7x), nor two comparisons a few percent ahead decide;
+    a challenger ahead by 10 % with steady comparisons switches on its third
+    trial, one within the noise only after several (``noise`` 0.08, and a
+    gain under about 5 % is never adopted). The relative rates and log ratios
+    are then re-based on the new incumbent, and the incumbent it replaced
+    runs again right after the new one's next trial, so that a switch the
+    noise made anyway is undone within a few trials instead of leaving the
+    replaced arm looking several times slower than it is. A challenger is
     compared only with an incumbent trial that ended at most
     ``stale_seconds`` of engine time before it began (10 trials' worth by
     default); when the load comes back to a bucket after longer, the
@@ -122,6 +128,8 @@ class TrialRecord(NamedTuple):
     arm: str
     rate: float  # tokens/s per request, at the typical step time
     steps: int  # counted steps
+    tokens: float  # committed tokens per request per counted step (mean)
+    step_ms: float  # typical time of a counted step (the rate is tokens / step_ms)
     ratio: float | None  # over the incumbent's latest trial (None: it is the incumbent, or stale)
     best: str  # the incumbent after this trial (a switch when it is ``arm``, not before)
     at: float  # engine seconds when the trial closed
@@ -194,6 +202,9 @@ class _Bucket:
     trials: int = 0
     order: list[str] = field(default_factory=list)  # cold-start order
     best: str | None = None  # the incumbent: every relative rate is over its latest
+    # (arm, trials of the incumbent when it took over): the incumbent it
+    # replaced, tried again once the new one has a trial of its own
+    recheck: tuple[str, int] | None = None
 
 
 @dataclass
@@ -218,7 +229,8 @@ class RateTuner:
                  min_close: int = 3, explore: float = 0.05, discount: float = 0.985,
                  decay: float = 0.5, prune: float = 0.25, abandon: float = 0.5,
                  margin: float = 0.0, confidence: float = 1.0, noise: float = 0.08,
-                 window: int = 6, with_model: bool = True,
+                 window: int = 6, min_comparisons: int = 3, clip: float = 3.0,
+                 with_model: bool = True,
                  stale_seconds: float | None = None) -> None:
         if budget < 1:
             raise ValueError(f"RateTuner: budget must be >= 1, got {budget}")
@@ -237,6 +249,8 @@ class RateTuner:
         self.confidence = confidence
         self.noise = noise
         self.window = window
+        self.min_comparisons = min_comparisons
+        self.clip = math.log(clip)
         self.stale_seconds = 10 * trial_seconds if stale_seconds is None else stale_seconds
         self.arms = tuner_arms(budget, with_model)
         self._by_name = {a.name: a for a in self.arms}
@@ -371,7 +385,10 @@ class RateTuner:
         bucket.trials += 1
         self.closed += 1
         ratio = self._compare(bucket, name, st, rate, trial.seconds)
-        self.history.append(TrialRecord(trial.bucket, name, rate, trial.counted, ratio,
+        n = max(trial.counted, 1)
+        self.history.append(TrialRecord(trial.bucket, name, rate, trial.counted,
+                                        trial.per_request / n,
+                                        1e3 * _typical_seconds(trial) / n, ratio,
                                         bucket.best, self._clock))
 
     def _compare(self, bucket: _Bucket, name: str, st: _ArmStats, rate: float,
@@ -389,8 +406,14 @@ class RateTuner:
         if self._stale(incumbent, before=seconds):
             return None  # no recent trial of the incumbent to compare with
         ratio = rate / incumbent.last
-        st.rel = ratio if st.rel is None else (1 - self.decay) * st.rel + self.decay * ratio
-        st.logs.append(math.log(ratio))
+        # one comparison moves the estimates by at most `clip` either way: a
+        # reference trial that a busy machine slowed must not make a
+        # challenger look several times faster (nor one arm far behind
+        # vanish from exploration)
+        log = min(max(math.log(ratio), -self.clip), self.clip)
+        st.rel = (math.exp(log) if st.rel is None
+                  else (1 - self.decay) * st.rel + self.decay * math.exp(log))
+        st.logs.append(log)
         del st.logs[:-self.window]
         if ratio > 1.0 + self.margin and self._surely_ahead(st.logs):
             # a new incumbent, when its paired comparisons are ahead beyond
@@ -408,6 +431,7 @@ class RateTuner:
                 other.weight *= 0.5
             st.logs = []
             bucket.stats[bucket.best].logs = [-shift]
+            bucket.recheck = (bucket.best, st.trials)
             bucket.best = name
         return ratio
 
@@ -420,7 +444,7 @@ class RateTuner:
         number of comparisons, the spread taken as at least ``noise`` per
         comparison (two comparisons say little about their own spread)."""
         n = len(logs)
-        if n < 2:
+        if n < max(self.min_comparisons, 2):
             return False
         w = [self.decay ** (n - 1 - i) for i in range(n)]
         sw, sw2 = sum(w), sum(x * x for x in w)
@@ -438,6 +462,12 @@ class RateTuner:
             # (back in this bucket after a while) the incumbent first: the
             # reference the next challengers are compared with
             return self._by_name[bucket.best]
+        if bucket.recheck is not None and bucket.stats[bucket.best].trials > bucket.recheck[1]:
+            # a new incumbent has run once more: the one it replaced runs
+            # next, compared with that fresh trial (a switch that noise made
+            # is undone the sooner)
+            name, bucket.recheck = bucket.recheck[0], None
+            return self._by_name[name]
         # cold start: every arm once, unless the measured best already beats
         # the arm's neighbours on the ladder by more than `prune`
         for name in bucket.order:

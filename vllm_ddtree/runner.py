@@ -190,7 +190,8 @@ class DDTreeRunnerMixin:
             # drafter rows stored later would land in, say, a new request's GDN
             # state).
             self._ddtree_release_pending_context(
-                scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids)
+                set(scheduler_output.finished_req_ids)
+                | set(scheduler_output.preempted_req_ids or ()))
         if self.ddtree is not None and self.ddtree.adaptive:
             self._ddtree_step_clock(scheduler_output)
         return super().execute_model(scheduler_output, *args, **kwargs)

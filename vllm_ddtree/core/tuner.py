@@ -29,8 +29,8 @@ Measurement
     batch that shrinks inside a bucket as requests finish does not favour
     the arm that ran first). Steps are timed by kind (the number of tokens
     they verify in powers of two, and whether the drafter ran in them), each
-    kind at the median of its steps: so that steps stalled by another
-    process on a busy machine do not decide; by kind, so that the rare
+    kind at the mean of its steps that took at most twice their median: so
+    that steps stalled by another process on a busy machine do not decide; by kind, so that the rare
     expensive tree steps of an arm that mixes them with plain steps (the
     model) count in full. When the batch size leaves the trial's bucket
     (requests finish, others arrive) the
@@ -86,6 +86,20 @@ Choice, per batch-size bucket (1, 2-7, 8-31, 32-127, ...)
     and because the counts are discounted, an arm not measured for a long
     time is measured again, so a load that shifts or a machine that gets
     busy is noticed. Only measured rates decide.
+
+Exploring is paid for, per bucket, from a budget of engine time
+    A bucket starts with ``trial_seconds`` of budget; every step in it earns
+    ``explore_share`` (3 %) of the step's seconds, up to ``trial_seconds``
+    banked; every trial of an arm other than the incumbent spends what it
+    lost against it: its steps' seconds (the uncounted ones too) times
+    ``1 - rate / incumbent``, nothing for an arm at least as fast. While the budget is spent (below
+    zero) the incumbent runs instead of the next cold-start arm or the arm
+    the bound picks (the re-check of a replaced incumbent still runs). So
+    the trees tried at a load where a tree step costs twenty plain steps
+    leave a debt that exploitation pays off before the next such trial, and
+    what exploring loses is a bounded share of engine time whatever an
+    arm's step costs; arms faster than the incumbent, or close to it, cost
+    little and are measured as often as the bound asks.
 
 The tuner holds no tensors and imports nothing from vLLM.
 """
@@ -152,6 +166,8 @@ def budget_ladder(budget: int) -> list[int]:
     return out
 
 
+STALL = 2.0  # a step over this many times its kind's median was stalled: not timed
+
 # Batch-size buckets start at 1, 2, 8, 32, 128, ... (factors of 4 past 2): a
 # request's rate changes little inside one, and a batch that shrinks as its
 # requests finish crosses few of them.
@@ -172,12 +188,17 @@ def bucket_range(bucket: int) -> tuple[int, int | None]:
 
 
 def _typical(step_seconds: list[float]) -> float:
-    """A step's typical time: the median of the trial's steps of one kind.
-    Other processes only ever lengthen steps, and the median stays put while
-    fewer than half of them were stalled; a lower quantile would be robuster
-    still, but it favours an arm whose own steps spread (the model's trees
-    of varying sizes) over one whose steps do not (plain)."""
-    return statistics.median(step_seconds)
+    """A step's typical time: the mean of the trial's steps of one kind that
+    took at most ``STALL`` times their median. Other processes only ever
+    lengthen steps, by several times when they take the core, and the median
+    stays put while fewer than half of them were stalled; the mean of the
+    rest is what the arm's steps cost. The median alone (or a lower quantile)
+    would favour an arm whose own steps spread, longer ones now and then (a
+    tree step whose drafter stores many accepted rows, the model's trees of
+    varying sizes), over one whose steps do not (plain)."""
+    mid = statistics.median(step_seconds)
+    kept = [s for s in step_seconds if s <= STALL * mid]
+    return sum(kept) / len(kept)
 
 
 def _typical_seconds(trial: "_Trial") -> float:
@@ -205,6 +226,9 @@ class _Bucket:
     # (arm, trials of the incumbent when it took over): the incumbent it
     # replaced, tried again once the new one has a trial of its own
     recheck: tuple[str, int] | None = None
+    # engine seconds exploring may still lose (earned by every step, spent by
+    # every trial behind the incumbent; below zero: only the incumbent runs)
+    credit: float = 0.0
 
 
 @dataclass
@@ -215,6 +239,7 @@ class _Trial:
     counted: int = 0
     per_request: float = 0.0  # sum over counted steps of tokens / requests
     seconds: float = 0.0
+    elapsed: float = 0.0  # every step's seconds, the first and the uncounted ones too
     # counted steps' seconds by kind: the size of their verification (query
     # tokens, in powers of two) and whether the drafter ran; an arm that mixes
     # kinds of steps (the model's plain steps, drafting steps and tree steps)
@@ -230,12 +255,14 @@ class RateTuner:
                  decay: float = 0.5, prune: float = 0.25, abandon: float = 0.5,
                  margin: float = 0.0, confidence: float = 1.0, noise: float = 0.08,
                  window: int = 6, min_comparisons: int = 3, clip: float = 3.0,
-                 with_model: bool = True,
+                 explore_share: float = 0.03, with_model: bool = True,
                  stale_seconds: float | None = None) -> None:
         if budget < 1:
             raise ValueError(f"RateTuner: budget must be >= 1, got {budget}")
         if trial_seconds <= 0 or min_steps < 1:
             raise ValueError("RateTuner: trial_seconds must be > 0 and min_steps >= 1")
+        if not 0.0 < explore_share < 1.0:
+            raise ValueError(f"RateTuner: explore_share must be in (0, 1), got {explore_share}")
         self.budget = budget
         self.trial_seconds = trial_seconds
         self.min_steps = min_steps
@@ -251,6 +278,7 @@ class RateTuner:
         self.window = window
         self.min_comparisons = min_comparisons
         self.clip = math.log(clip)
+        self.explore_share = explore_share
         self.stale_seconds = 10 * trial_seconds if stale_seconds is None else stale_seconds
         self.arms = tuner_arms(budget, with_model)
         self._by_name = {a.name: a for a in self.arms}
@@ -290,7 +318,10 @@ class RateTuner:
         if bucket_of(num_reqs) != trial.bucket:
             self._end_early(trial)
             return
+        bucket = self._buckets[trial.bucket]
+        bucket.credit = min(bucket.credit + self.explore_share * seconds, self.trial_seconds)
         trial.steps += 1
+        trial.elapsed += seconds
         if trial.steps == 1 or not counted or seconds <= 0 or num_reqs <= 0:
             return
         trial.counted += 1
@@ -332,6 +363,12 @@ class RateTuner:
         it has ``min_close`` counted steps; a new one starts in the new bucket."""
         if trial.counted >= self.min_close:
             self._close(trial)
+        else:  # too short to measure: charged at its arm's known rate, or in full
+            bucket = self._buckets[trial.bucket]
+            st = bucket.stats.get(trial.arm.name)
+            rel = st.rel if st is not None and st.rel is not None else 0.0
+            if trial.arm.name != bucket.best:
+                bucket.credit -= trial.elapsed * max(0.0, 1.0 - rel)
         self._trial = None
 
     @staticmethod
@@ -384,6 +421,10 @@ class RateTuner:
         st.weight += 1.0
         bucket.trials += 1
         self.closed += 1
+        if bucket.best is not None and bucket.best != name:
+            # exploring's cost: the time this trial lost against the incumbent
+            ref = bucket.stats[bucket.best].last
+            bucket.credit -= trial.elapsed * max(0.0, 1.0 - rate / ref) if ref else 0.0
         ratio = self._compare(bucket, name, st, rate, trial.seconds)
         n = max(trial.counted, 1)
         self.history.append(TrialRecord(trial.bucket, name, rate, trial.counted,
@@ -457,7 +498,8 @@ class RateTuner:
     def _next_arm(self, b: int) -> Arm:
         bucket = self._buckets.get(b)
         if bucket is None:
-            bucket = self._buckets[b] = _Bucket(order=self._cold_order())
+            bucket = self._buckets[b] = _Bucket(order=self._cold_order(),
+                                                credit=self.trial_seconds)
         if bucket.best is not None and self._stale(bucket.stats[bucket.best]):
             # (back in this bucket after a while) the incumbent first: the
             # reference the next challengers are compared with
@@ -468,6 +510,9 @@ class RateTuner:
             # is undone the sooner)
             name, bucket.recheck = bucket.recheck[0], None
             return self._by_name[name]
+        if bucket.best is not None and bucket.credit < 0.0:
+            # exploring's budget is spent: the incumbent until it is earned back
+            return self._by_name[bucket.best]
         # cold start: every arm once, unless the measured best already beats
         # the arm's neighbours on the ladder by more than `prune`
         for name in bucket.order:

@@ -65,6 +65,7 @@ from vllm_ddtree.proposer import DDTreeProposer
 from vllm_ddtree.core.compaction import kv_capture
 from vllm_ddtree.core.round import DDTreeSeamError, ProposedTrees, TreeRound, attach_info
 from vllm_ddtree.core.stats import CounterWriter, stats_file
+from vllm_ddtree.core.step_clock import BusyGap
 from vllm_ddtree.structured import DDTreeDraftTokenIds
 from vllm_ddtree.core.tree import process_logits
 from vllm_ddtree.core.tree_info import TreeStepBuffers
@@ -118,7 +119,7 @@ class DDTreeRunnerMixin:
         self.ddtree_pending_rows = 0
         self.ddtree_budgets: torch.Tensor | None = None  # [R] of the last drafts
         self.ddtree_step: dict | None = None  # the step being timed
-        self.ddtree_gap_s = 0.0  # engine time between two runner steps (EWMA)
+        self.ddtree_gap = BusyGap()  # engine time between two runner steps, idle left out
         # Hybrid targets: the target's Gated DeltaNet layers and this step's
         # tree bookkeeping for them (vllm_ddtree/gdn.py).
         self.ddtree_gdn_layers: frozenset[str] = frozenset()
@@ -800,19 +801,15 @@ class DDTreeRunnerMixin:
         now = time.perf_counter()
         last, self.ddtree_step = self.ddtree_step, None
         if last is not None and "end" in last:
-            gap = now - last["end"]
-            if gap < 3 * self.ddtree_gap_s + 2e-3:  # otherwise the engine was idle
-                self.ddtree_gap_s += 0.1 * (gap - self.ddtree_gap_s)
+            # the whole cycle from this step's start to the next one's, idle
+            # time left out (core/step_clock.py): the engine's work between
+            # steps differs between arms (drafts to schedule and check)
+            step_s = last["end"] - last["start"] + self.ddtree_gap.busy(now - last["end"])
             draft_s = last.get("draft", 0.0)
             draft_s = draft_s() if callable(draft_s) else draft_s
-            step_s = last["end"] - last["start"] + min(gap, 3 * self.ddtree_gap_s + 2e-3)
             self.ddtree_policy.observe(last["reqs"], last["tokens"], step_s, draft_s)
             if self.ddtree_tuner is not None and "emitted" in last:
-                # the whole cycle from this step's start to the next one's: the
-                # engine's work between steps differs between arms (drafts to
-                # schedule and check), and an idle gap, rare under load, is an
-                # outlier the tuner's typical step time ignores
-                self.ddtree_tuner.observe(last["reqs"], last["emitted"], now - last["start"],
+                self.ddtree_tuner.observe(last["reqs"], last["emitted"], step_s,
                                           counted=last["decoding"], verified=last["tokens"],
                                           drafted="draft" in last)
                 self._ddtree_log_best(last["reqs"])

@@ -304,7 +304,9 @@ class RateTuner:
 
     def observe(self, num_reqs: int, tokens: float, seconds: float, counted: bool = True,
                 verified: int | None = None, drafted: bool = False) -> None:
-        """One step of the current trial: its committed tokens and seconds.
+        """One step of the current trial: its committed tokens and its busy
+        seconds (idle time between steps left out: ``core/step_clock.py``;
+        counted, an idle gap would charge exploring for time nobody lost).
         ``counted`` False (a prefill in the step, or nothing decoding) leaves
         the trial's numbers alone. ``verified`` (the step's query tokens:
         requests plus draft nodes) and ``drafted`` (the drafter ran in the

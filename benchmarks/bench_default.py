@@ -207,11 +207,12 @@ def trial_story(result: dict) -> str:
     compared), ``->`` marking a new incumbent, ``[lo-hi]`` a trial in another
     batch-size bucket than the measurement's (a trial closes when the first
     step of another bucket comes, so the last trial of one measurement is
-    listed with the next)."""
+    listed with the next), ``$`` a trial after which exploring's budget
+    was spent (the incumbent runs until it is earned back)."""
     from vllm_ddtree.core.tuner import bucket_of, bucket_range
 
     lines = [f"\n{result['config']}: the default's trials (ratio over the incumbent; "
-             f"-> a switch)"]
+             f"-> a switch; $ exploring's budget spent)"]
     for part in result.get("default_trials", []):
         items = []
         for t in part["trials"]:
@@ -220,7 +221,8 @@ def trial_story(result: dict) -> str:
             lo, hi = bucket_range(t["bucket"])
             other = (f"[{lo}]" if hi == lo else f"[{lo}-{hi or ''}]") \
                 if t["bucket"] != bucket_of(part["c"]) else ""
-            items.append(f"{switch}{t['arm']}{other}{ratio}")
+            spent = "$" if t.get("credit", 0.0) < 0 else ""
+            items.append(f"{switch}{t['arm']}{other}{ratio}{spent}")
         lines.append(f"  {part['phase']:>9} c={part['c']:<3} " + ", ".join(items))
     return "\n".join(lines) + "\n"
 

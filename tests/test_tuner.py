@@ -436,3 +436,10 @@ def test_exploring_loses_a_bounded_share_where_tree_steps_cost_many_plain_steps(
     assert tuner.best(64) == Arm("plain")
     tried = {rec.arm for rec in tuner.history}
     assert {"model", "fixed8"} <= tried, tried  # the cold start went on, paid for
+    # the records carry the budget: spent after tree trials, and no tree arm
+    # ran its trial while it was
+    hist = list(tuner.history)
+    assert any(rec.credit < 0 for rec in hist if rec.arm != "plain")
+    for prev, rec in zip(hist, hist[1:]):
+        if prev.credit < 0 and prev.bucket == rec.bucket:
+            assert rec.arm == "plain", (prev, rec)

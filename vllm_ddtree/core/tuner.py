@@ -147,6 +147,7 @@ class TrialRecord(NamedTuple):
     ratio: float | None  # over the incumbent's latest trial (None: it is the incumbent, or stale)
     best: str  # the incumbent after this trial (a switch when it is ``arm``, not before)
     at: float  # engine seconds when the trial closed
+    credit: float  # the bucket's exploring budget after it, seconds (below 0: spent)
 
 
 def tuner_arms(budget: int, with_model: bool = True) -> list[Arm]:
@@ -432,7 +433,7 @@ class RateTuner:
         self.history.append(TrialRecord(trial.bucket, name, rate, trial.counted,
                                         trial.per_request / n,
                                         1e3 * _typical_seconds(trial) / n, ratio,
-                                        bucket.best, self._clock))
+                                        bucket.best, self._clock, bucket.credit))
 
     def _compare(self, bucket: _Bucket, name: str, st: _ArmStats, rate: float,
                  seconds: float) -> float | None:

@@ -70,6 +70,12 @@ Choice, per batch-size bucket (1, 2-7, 8-31, 32-127, ...)
     trials (every trial multiplies all counts by ``discount``, and a switch
     of incumbent halves them: the rates re-based through one estimated scale,
     perhaps in a changed regime, are re-measured sooner).
+    The incumbent runs between any two challengers' trials, so each
+    challenger is compared with a reference trial of its own: a busy spell
+    of the machine under one reference trial (every arm slowed alike, for a
+    trial or two) would otherwise lift or bury every arm tried after it, and
+    give a challenger picked twice in a row two comparisons against the same
+    slowed reference.
     A new bucket first tries the arms once each: plain, the model, then the
     budget ladder from its middle outwards, skipping a fixed arm that lies
     beyond one measured more than ``prune`` below the best (budgets are taken
@@ -230,6 +236,7 @@ class _Bucket:
     # engine seconds exploring may still lose (earned by every step, spent by
     # every trial behind the incumbent; below zero: only the incumbent runs)
     credit: float = 0.0
+    last: str | None = None  # the arm of the bucket's latest closed trial
 
 
 @dataclass
@@ -423,6 +430,7 @@ class RateTuner:
         st.trials += 1
         st.weight += 1.0
         bucket.trials += 1
+        bucket.last = name
         self.closed += 1
         if bucket.best is not None and bucket.best != name:
             # exploring's cost: the time this trial lost against the incumbent
@@ -515,6 +523,12 @@ class RateTuner:
             return self._by_name[name]
         if bucket.best is not None and bucket.credit < 0.0:
             # exploring's budget is spent: the incumbent until it is earned back
+            return self._by_name[bucket.best]
+        if bucket.best is not None and bucket.last != bucket.best:
+            # the incumbent between two challengers: each is compared with a
+            # trial of its own, so one reference that a busy machine slowed
+            # or sped up neither lifts nor buries every arm tried after it
+            # (nor gives one challenger several comparisons against it)
             return self._by_name[bucket.best]
         # cold start: every arm once, unless the measured best already beats
         # the arm's neighbours on the ladder by more than `prune`

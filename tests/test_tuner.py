@@ -475,3 +475,32 @@ def test_a_busy_spell_under_one_reference_trial_does_not_switch_the_incumbent():
         assert len({r.arm for r in hist}) > 1  # challengers were explored
         for prev, rec in zip(hist, hist[1:]):  # never two challengers in a row
             assert rec.arm == "plain" or prev.arm == "plain", (seed, prev, rec)
+
+
+def test_an_incumbent_whose_rate_collapses_is_replaced_within_seconds():
+    """Trees at 2x plain for 20 s of engine time, then the text turns hard to
+    draft and every tree arm falls to 0.4-0.6x plain (seen on the hybrid at
+    one request: fixed 8 from 6-8 committed tokens a step to 1.4). Plain's
+    relative rate, measured against fixed 8 in the good times, said 0.5x and
+    buried it: the incumbent stayed for the remaining 60 s. Scored also by
+    what it delivered over what the incumbent delivers now, plain is
+    re-measured at once and takes over within seconds."""
+    good = {"plain": 100.0, "fixed2": 140.0, "fixed4": 180.0, "fixed8": 200.0}
+    bad = {"plain": 100.0, "fixed2": 60.0, "fixed4": 45.0, "fixed8": 40.0}
+    for seed in range(6):
+        rng = random.Random(seed)
+        tuner = RateTuner(8, with_model=False)
+        clock = wrong = 0.0
+        while clock < 80.0:
+            arm = tuner.arm(1)
+            rates = good if clock < 20.0 else bad
+            tok = 3 if arm.drafts else 1
+            sec = tok / rates[arm.name] * (1 + 0.05 * (2 * rng.random() - 1))
+            clock += sec
+            tuner.observe(1, tok, sec)
+            if clock < 20.0 and clock > 15.0:
+                assert tuner.best(1) == Arm("fixed", 8), seed  # found in the good times
+            if clock > 20.0 and tuner.best(1) != Arm("plain"):
+                wrong += sec
+        assert wrong < 10.0, (seed, wrong)
+        assert tuner.best(1) == Arm("plain")

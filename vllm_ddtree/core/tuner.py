@@ -87,7 +87,12 @@ Choice, per batch-size bucket (1, 2-7, 8-31, 32-127, ...)
     gets a full trial, and exploring costs little however many arms there
     are. Then every trial runs the arm with
     the highest upper confidence bound on its rate relative to the best,
-    ``rate / best + explore * sqrt(ln N / n)``: the best runs almost always,
+    ``rate / best + explore * sqrt(ln N / n)``, the relative rate taken as
+    the larger of its paired estimate and its latest trial's rate over the
+    median of the incumbent's latest three (so an incumbent whose own rate
+    collapsed, text its drafter cannot predict, has its challengers
+    re-measured at once, while one incumbent trial a busy machine slowed
+    does not send exploration after every arm): the best runs almost always,
     an arm close to it is re-measured now and then, one far below it rarely,
     and because the counts are discounted, an arm not measured for a long
     time is measured again, so a load that shifts or a machine that gets
@@ -219,6 +224,7 @@ class _ArmStats:
     rel: float | None = None  # decayed mean of its rate over the best arm's latest
     logs: list[float] = field(default_factory=list)  # its latest paired log ratios
     last: float | None = None  # its latest trial's rate, tokens/s per request
+    recent: list[float] = field(default_factory=list)  # its latest three trials' rates
     at: float = -math.inf  # engine time when its latest trial ended
     trials: int = 0
     weight: float = 0.0  # discounted number of trials
@@ -426,6 +432,7 @@ class RateTuner:
         name = trial.arm.name
         st = bucket.stats.setdefault(name, _ArmStats())
         st.last = rate
+        st.recent = (st.recent + [rate])[-3:]
         st.at = self._clock
         st.trials += 1
         st.weight += 1.0
@@ -541,11 +548,23 @@ class RateTuner:
             return self._by_name[name]
         measured = {n: s for n, s in bucket.stats.items() if s.rel is not None}
         total = sum(s.weight for s in measured.values())
+        # what the incumbent delivers now: the median of its latest three
+        # trials (one trial a busy machine slowed does not move it)
+        now = (statistics.median(bucket.stats[bucket.best].recent)
+               if bucket.best is not None else None)
 
         def score(name: str) -> float:
             st = measured[name]
             bonus = self.explore * math.sqrt(math.log(1.0 + total) / max(st.weight, 1e-6))
-            return st.rel + bonus
+            rel = st.rel
+            if name != bucket.best and now and st.last:
+                # or what it delivered when last measured, over what the
+                # incumbent delivers now: an incumbent whose own rate
+                # collapsed (text its drafter cannot predict) has its
+                # challengers re-measured at once, where their relative
+                # rates, measured against it in better times, would bury them
+                rel = max(rel, st.last / now)
+            return rel + bonus
 
         return self._by_name[max(measured, key=score)]
 

@@ -223,11 +223,15 @@ def _typical_seconds(trial: "_Trial") -> float:
 class _ArmStats:
     rel: float | None = None  # decayed mean of its rate over the best arm's latest
     logs: list[float] = field(default_factory=list)  # its latest paired log ratios
-    last: float | None = None  # its latest trial's rate, tokens/s per request
     recent: list[float] = field(default_factory=list)  # its latest three trials' rates
     at: float = -math.inf  # engine time when its latest trial ended
     trials: int = 0
     weight: float = 0.0  # discounted number of trials
+
+    @property
+    def last(self) -> float | None:
+        """Its latest trial's rate, tokens/s per request."""
+        return self.recent[-1] if self.recent else None
 
 
 @dataclass
@@ -431,7 +435,6 @@ class RateTuner:
             st.weight *= self.discount
         name = trial.arm.name
         st = bucket.stats.setdefault(name, _ArmStats())
-        st.last = rate
         st.recent = (st.recent + [rate])[-3:]
         st.at = self._clock
         st.trials += 1
@@ -528,14 +531,12 @@ class RateTuner:
             # is undone the sooner)
             name, bucket.recheck = bucket.recheck[0], None
             return self._by_name[name]
-        if bucket.best is not None and bucket.credit < 0.0:
-            # exploring's budget is spent: the incumbent until it is earned back
-            return self._by_name[bucket.best]
-        if bucket.best is not None and bucket.last != bucket.best:
-            # the incumbent between two challengers: each is compared with a
-            # trial of its own, so one reference that a busy machine slowed
-            # or sped up neither lifts nor buries every arm tried after it
-            # (nor gives one challenger several comparisons against it)
+        if bucket.best is not None and (bucket.credit < 0.0 or bucket.last != bucket.best):
+            # the incumbent while exploring's budget is spent (until it is
+            # earned back), and between two challengers: each is compared
+            # with a trial of its own, so one reference that a busy machine
+            # slowed or sped up neither lifts nor buries every arm tried
+            # after it (nor gives one challenger several comparisons against it)
             return self._by_name[bucket.best]
         # cold start: every arm once, unless the measured best already beats
         # the arm's neighbours on the ladder by more than `prune`

@@ -1,0 +1,160 @@
+"""What the default's rate tuner sees, step by step.
+
+    python -m benchmarks.tuner_steps --config hybrid --concurrency 1 --batches 12 \\
+        --out benchmarks/results/tuner_steps_hybrid_c1.json.gz
+
+runs the default engine of one ``bench_default`` configuration (adaptive
+DDTree, at most 64 nodes, compiled, greedy) in this process on
+``--batches`` batches of ``--concurrency`` HumanEval prompts, and records
+every step the tuner is told about (``RateTuner.observe``): the arm that
+decided it, the requests, the tokens committed, the busy seconds charged
+(the runner's step plus the engine's gap to the next one, idle left out),
+the raw gap, the query tokens verified and whether the drafter ran.
+
+It prints, per arm, the counted steps, the median step time and gap, the
+tokens per request per step and the rate they make (tokens/s per request);
+and the plain steps by their position after a switch away from a tree arm
+(does a plain step right after tree steps cost what a later one does?).
+With ``--out`` the steps are kept as JSON; ``--summary JSON`` prints the
+tables of a saved run again.
+
+A diagnosis of the tuner's inputs, not a speed verdict: the verdict is
+``bench_default`` (arms interleaved, several rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+AFTER_SWITCH = 12  # plain steps after a switch shown one by one; later ones pooled
+
+
+def record(config: str, concurrency: int, batches: int, max_tokens: int | None) -> list[dict]:
+    """Every step the default engine's tuner observed, in order."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
+    from benchmarks.bench_default import arms, configuration
+    from benchmarks.run_llm import humaneval_prompts
+    from vllm_ddtree.core import step_clock, tuner
+
+    steps: list[dict] = []
+    last_gap = [0.0]
+    busy = step_clock.BusyGap.busy
+    observe = tuner.RateTuner.observe
+
+    def busy_recorded(self, gap):
+        last_gap[0] = gap
+        return busy(self, gap)
+
+    def observe_recorded(self, num_reqs, tokens, seconds, counted=True, verified=None,
+                         drafted=False):
+        trial = self._trial
+        steps.append({"arm": trial.arm.name if trial is not None else None,
+                      "reqs": num_reqs, "tokens": tokens, "seconds": round(seconds, 7),
+                      "gap": round(last_gap[0], 7), "counted": counted,
+                      "verified": verified, "drafted": drafted})
+        return observe(self, num_reqs, tokens, seconds, counted, verified, drafted)
+
+    step_clock.BusyGap.busy = busy_recorded
+    tuner.RateTuner.observe = observe_recorded
+    job = arms(configuration(config))["default"]
+    os.environ.update({k: str(v) for k, v in job["env"].items()})
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(dtype="float32", max_model_len=2048, seed=0)
+    kwargs.update(job["llm"])
+    llm = LLM(model=job["model"], speculative_config=job["speculative_config"], **kwargs)
+    pool = humaneval_prompts(164)
+    params = SamplingParams(temperature=0.0, ignore_eos=True,
+                            max_tokens=max_tokens or max(64, -(-1024 // concurrency)))
+    t0 = time.perf_counter()
+    for b in range(batches):
+        prompts = [pool[(b * concurrency + i) % len(pool)] for i in range(concurrency)]
+        llm.generate(prompts, params, use_tqdm=False)
+        print(f"[tuner_steps] batch {b + 1}/{batches}, {len(steps)} steps, "
+              f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return steps
+
+
+def runs_of(steps: list[dict]) -> list[tuple[str | None, list[dict]]]:
+    """Consecutive steps of one arm, in order."""
+    runs: list[tuple[str | None, list[dict]]] = []
+    for s in steps:
+        if not runs or runs[-1][0] != s["arm"]:
+            runs.append((s["arm"], []))
+        runs[-1][1].append(s)
+    return runs
+
+
+def summary(steps: list[dict]) -> str:
+    """Markdown: per arm, and plain steps by their position after a switch."""
+    runs = runs_of(steps)
+    by_arm: dict[str, list[dict]] = {}
+    for arm, run in runs:
+        # a run's first step verifies what the previous arm drafted (the
+        # tuner does not count it either)
+        by_arm.setdefault(str(arm), []).extend(s for s in run[1:] if s["counted"])
+    lines = [f"{len(steps)} steps, {len(runs)} runs of one arm", "",
+             "| arm | counted steps | step, ms (median) | gap, ms | tokens/request/step "
+             "| tokens/s per request |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for arm, ss in sorted(by_arm.items(), key=lambda kv: -len(kv[1])):
+        if not ss:
+            continue
+        sec = statistics.median(s["seconds"] for s in ss)
+        per = statistics.fmean(s["tokens"] / s["reqs"] for s in ss)
+        lines.append(f"| {arm} | {len(ss)} | {1e3 * sec:.2f} | "
+                     f"{1e3 * statistics.median(s['gap'] for s in ss):.2f} | {per:.2f} | "
+                     f"{per / sec:.0f} |")
+    after: dict[int, list[float]] = {}
+    for (prev, _), (arm, run) in zip(runs, runs[1:]):
+        if arm != "plain" or prev in (None, "plain"):
+            continue
+        for i, s in enumerate(run[1:], start=1):
+            if s["counted"]:
+                after.setdefault(min(i, AFTER_SWITCH), []).append(s["seconds"])
+    if after:
+        lines += ["", "Plain steps after a switch from a tree arm:", "",
+                  "| step of the plain run | steps | ms (median) |", "| ---: | ---: | ---: |"]
+        for i in sorted(after):
+            label = f"{i}+" if i == AFTER_SWITCH else str(i)
+            lines.append(f"| {label} | {len(after[i])} | {1e3 * statistics.median(after[i]):.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="hybrid",
+                    help="a bench_default configuration (dense, dense_k7, hybrid, heavy)")
+    ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--batches", type=int, default=12)
+    ap.add_argument("--max-tokens", type=int,
+                    help="per request (default: as bench_default, 1024 tokens a batch)")
+    ap.add_argument("--out", help="JSON (gzipped if it ends in .gz): every step, with the "
+                    "arguments")
+    ap.add_argument("--summary", metavar="JSON", help="print the tables of a saved run")
+    args = ap.parse_args()
+    if args.summary:
+        print(summary(json.loads(gzip.decompress(Path(args.summary).read_bytes())
+                                 if args.summary.endswith(".gz")
+                                 else Path(args.summary).read_text())["steps"]))
+        return
+    if args.concurrency < 1 or args.batches < 1:
+        raise SystemExit("--concurrency and --batches must be at least 1")
+    steps = record(args.config, args.concurrency, args.batches, args.max_tokens)
+    if args.out:
+        text = json.dumps({"args": vars(args), "steps": steps}, separators=(",", ":"))
+        Path(args.out).write_bytes(gzip.compress(text.encode()) if args.out.endswith(".gz")
+                                   else text.encode())
+    print(summary(steps))
+
+
+if __name__ == "__main__":
+    main()

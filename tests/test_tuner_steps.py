@@ -1,0 +1,23 @@
+"""benchmarks/tuner_steps.py: the summary of what the rate tuner saw."""
+
+from benchmarks.tuner_steps import runs_of, summary
+
+
+def _step(arm, seconds, tokens=1.0, counted=True):
+    return {"arm": arm, "reqs": 1, "tokens": tokens, "seconds": seconds, "gap": 1e-4,
+            "counted": counted, "verified": 1, "drafted": arm != "plain"}
+
+
+def test_runs_and_tables():
+    steps = ([_step("plain", 2e-3)] * 20 + [_step("fixed8", 10e-3, tokens=5.0)] * 4
+             + [_step("plain", 8e-3), _step("plain", 4e-3), _step("plain", 3e-3)]
+             + [_step("plain", 2e-3)] * 20)
+    runs = runs_of(steps)
+    assert [(a, len(r)) for a, r in runs] == [("plain", 20), ("fixed8", 4), ("plain", 23)]
+    text = summary(steps)
+    # plain: the first step of each run is left out (it verifies the previous arm's drafts)
+    assert "| plain | 41 | 2.00 | 0.10 | 1.00 | 500 |" in text
+    assert "| fixed8 | 3 | 10.00 | 0.10 | 5.00 | 500 |" in text
+    # the plain run after the tree arm, step by step (its first step not shown)
+    assert "| 1 | 1 | 4.00 |" in text and "| 2 | 1 | 3.00 |" in text
+    assert "| 3 | 1 | 2.00 |" in text

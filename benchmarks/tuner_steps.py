@@ -40,6 +40,7 @@ AFTER_SWITCH = 12  # plain steps after a switch shown one by one; later ones poo
 def record(config: str, concurrency: int, batches: int, max_tokens: int | None) -> list[dict]:
     """Every step the default engine's tuner observed, in order."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
+    # (bench_default's arm environments keep it so)
     from benchmarks.bench_default import arms, configuration
     from benchmarks.run_llm import humaneval_prompts
     from vllm_ddtree.core import step_clock, tuner
@@ -66,7 +67,6 @@ def record(config: str, concurrency: int, batches: int, max_tokens: int | None) 
     tuner.RateTuner.observe = observe_recorded
     job = arms(configuration(config))["default"]
     os.environ.update({k: str(v) for k, v in job["env"].items()})
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
     kwargs = dict(dtype="float32", max_model_len=2048, seed=0)

@@ -504,3 +504,67 @@ def test_an_incumbent_whose_rate_collapses_is_replaced_within_seconds():
                 wrong += sec
         assert wrong < 10.0, (seed, wrong)
         assert tuner.best(1) == Arm("plain")
+
+
+def _requests(tuner, easy_per_request, seconds_per_request=1.0, seed=0, admit=True):
+    """One request at a time, each ``seconds_per_request`` of engine time. A
+    plain step takes 10 ms and commits one token, a tree step 25 ms whatever
+    the text; the drafter finds request i's text easy (trees commit 3.5-5
+    tokens a step: 1.4-2x plain) or hard (1-1.5 tokens: 0.4-0.6x plain) as
+    ``easy_per_request[i]`` says. Returns, per request, its rate (tokens/s)
+    and the arm that led at its end."""
+    good = {"plain": 100.0, "fixed2": 140.0, "fixed4": 180.0, "fixed8": 200.0}
+    bad = {"plain": 100.0, "fixed2": 60.0, "fixed4": 45.0, "fixed8": 40.0}
+    rng = random.Random(seed)
+    out = []
+    for easy in easy_per_request:
+        rates = good if easy else bad
+        if admit:
+            tuner.admit(1)
+        tokens = seconds = 0.0
+        while seconds < seconds_per_request:
+            arm = tuner.arm(1)
+            step = 0.025 if arm.drafts else 0.010
+            tok = rates[arm.name] * step
+            sec = step * (1 + 0.05 * (2 * rng.random() - 1))
+            tuner.observe(1, tok, sec)
+            tokens += tok
+            seconds += sec
+        out.append((tokens / seconds, tuner.best(1)))
+    return out
+
+
+def test_a_plain_incumbent_remeasures_the_trees_on_new_text():
+    """Ten easy prompts, twenty hard ones, then thirty easy ones again (the
+    hybrid at one request: fixed 16 and the model at 1.66x plain on the first
+    prompts, 0.3-0.7x on the next, and then plain for 7000 steps with no tree
+    trial, since plain's own rate says nothing about the text). Once every
+    request decoding is new since the trees' latest trial, one tree is
+    measured again: within a few easy prompts fixed 8 leads again, and the
+    easy prompts after that run at least 90 % of fixed 8's rate. Without the
+    admissions (the rule off) plain keeps the lead through the easy prompts."""
+    texts = [True] * 10 + [False] * 20 + [True] * 30
+    for seed in range(4):
+        out = _requests(RateTuner(8, with_model=False), texts, seed=seed)
+        assert out[29][1] == Arm("plain"), seed  # the hard prompts: plain
+        back = next((i for i in range(30, 60) if out[i][1] == Arm("fixed", 8)), None)
+        assert back is not None and back <= 36, (seed, back)
+        late = [rate for rate, _ in out[back + 2:]]
+        assert sum(late) / len(late) > 0.9 * 200.0, (seed, late)
+    off = _requests(RateTuner(8, with_model=False), texts, seed=0, admit=False)
+    assert all(best == Arm("plain") for _, best in off[29:]), off[29:]
+
+
+def test_new_text_costs_little_where_trees_never_pay():
+    """Every prompt hard to draft (trees 0.4-0.6x plain) and a new one every
+    0.3 s of engine time: the re-measured trees are abandoned within a few
+    steps and paid for from the exploring budget, so the run delivers at
+    least 96 % of plain's rate past the cold start, and plain keeps the lead."""
+    for seed in range(3):
+        tuner = RateTuner(8, with_model=False)
+        out = _requests(tuner, [False] * 200, seconds_per_request=0.3, seed=seed)
+        rates = [rate for rate, _ in out[20:]]
+        assert sum(rates) / len(rates) > 0.96 * 100.0, (seed, sum(rates) / len(rates))
+        assert tuner.best(1) == Arm("plain")
+        rechecks = sum(1 for rec in tuner.history if rec.arm != "plain" and rec.at > 6.0)
+        assert rechecks >= 5, rechecks  # the rule ran (and cost what was asserted)

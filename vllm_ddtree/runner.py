@@ -813,6 +813,9 @@ class DDTreeRunnerMixin:
                                           counted=last["decoding"], verified=last["tokens"],
                                           drafted="draft" in last)
                 self._ddtree_log_best(last["reqs"])
+        if self.ddtree_tuner is not None and scheduler_output.scheduled_new_reqs:
+            # new prompts: the trees' rates were measured on other text
+            self.ddtree_tuner.admit(len(scheduler_output.scheduled_new_reqs))
         total = scheduler_output.total_num_scheduled_tokens
         if total:
             reqs = len(scheduler_output.num_scheduled_tokens)

@@ -98,6 +98,14 @@ Choice, per batch-size bucket (1, 2-7, 8-31, 32-127, ...)
     time is measured again, so a load that shifts or a machine that gets
     busy is noticed. Only measured rates decide.
 
+New text (``admit``)
+    A tree's rate depends on the text being decoded, plain's does not: under
+    a plain incumbent no measured rate moves when the text turns easy. Once
+    as many requests were admitted since the bucket's latest such re-check as
+    the bucket now decodes, the challenger whose latest trial began longest
+    ago (before those requests came) runs once, within the budget below;
+    successive turnovers go round the challengers.
+
 Exploring is paid for, per bucket, from a budget of engine time
     A bucket starts with ``trial_seconds`` of budget; every step in it earns
     ``explore_share`` (3 %) of the step's seconds, up to ``trial_seconds``
@@ -225,6 +233,7 @@ class _ArmStats:
     logs: list[float] = field(default_factory=list)  # its latest paired log ratios
     recent: list[float] = field(default_factory=list)  # its latest three trials' rates
     at: float = -math.inf  # engine time when its latest trial ended
+    admitted: int = 0  # requests admitted (RateTuner.admit) when its latest trial began
     trials: int = 0
     weight: float = 0.0  # discounted number of trials
 
@@ -247,12 +256,15 @@ class _Bucket:
     # every trial behind the incumbent; below zero: only the incumbent runs)
     credit: float = 0.0
     last: str | None = None  # the arm of the bucket's latest closed trial
+    # requests admitted when an arm was last re-measured on new text
+    renewed: int = 0
 
 
 @dataclass
 class _Trial:
     arm: Arm
     bucket: int
+    admitted: int = 0  # requests admitted when it began
     steps: int = 0  # reported steps so far (the first is not counted)
     counted: int = 0
     per_request: float = 0.0  # sum over counted steps of tokens / requests
@@ -303,6 +315,7 @@ class RateTuner:
         self._buckets: dict[int, _Bucket] = {}
         self._trial: _Trial | None = None
         self._clock = 0.0  # engine time: the sum of every reported step's seconds
+        self._admitted = 0  # requests admitted so far: new text to decode
         self.closed = 0  # trials closed so far (what the measured rates last changed with)
         # the latest trials (bounded: a server runs for days)
         self.history: deque[TrialRecord] = deque(maxlen=HISTORY)
@@ -316,9 +329,19 @@ class RateTuner:
             return trial.arm
         if trial is not None:
             self._end_early(trial)
-        arm = self._next_arm(b)
-        self._trial = _Trial(arm, b)
+        arm = self._next_arm(b, num_reqs)
+        self._trial = _Trial(arm, b, self._admitted)
         return arm
+
+    def admit(self, num_new: int) -> None:
+        """``num_new`` requests joined the batch: new prompts, new text. How
+        well the drafter does depends on the text, so an arm whose every
+        trial ran before the requests decoding now arrived was measured on
+        other text; one such arm is measured again per turnover of the
+        batch (see ``_next_arm``)."""
+        if num_new < 0:
+            raise ValueError(f"RateTuner.admit: num_new must be >= 0, got {num_new}")
+        self._admitted += int(num_new)
 
     def observe(self, num_reqs: int, tokens: float, seconds: float, counted: bool = True,
                 verified: int | None = None, drafted: bool = False) -> None:
@@ -437,6 +460,7 @@ class RateTuner:
         st = bucket.stats.setdefault(name, _ArmStats())
         st.recent = (st.recent + [rate])[-3:]
         st.at = self._clock
+        st.admitted = trial.admitted
         st.trials += 1
         st.weight += 1.0
         bucket.trials += 1
@@ -516,11 +540,12 @@ class RateTuner:
         spread = max(math.sqrt(var), self.noise)
         return mean - self.confidence * spread / math.sqrt(n_eff) > math.log1p(self.margin)
 
-    def _next_arm(self, b: int) -> Arm:
+    def _next_arm(self, b: int, num_reqs: int = 1) -> Arm:
         bucket = self._buckets.get(b)
         if bucket is None:
             bucket = self._buckets[b] = _Bucket(order=self._cold_order(),
-                                                credit=self.trial_seconds)
+                                                credit=self.trial_seconds,
+                                                renewed=self._admitted)
         if bucket.best is not None and self._stale(bucket.stats[bucket.best]):
             # (back in this bucket after a while) the incumbent first: the
             # reference the next challengers are compared with
@@ -567,6 +592,23 @@ class RateTuner:
                 rel = max(rel, st.last / now)
             return rel + bonus
 
+        turnover = max(int(num_reqs), 1)
+        if self._admitted - bucket.renewed >= turnover:
+            # as many requests came since the latest re-check as decode now:
+            # the challengers whose latest trial began before them were
+            # measured on other text. One hard prompt can bury every tree
+            # for good under a plain incumbent (plain's own rate never falls
+            # with the text, so the rule above never fires), and easy text
+            # can leave the incumbent tree too small. The one of them measured
+            # longest ago runs once, so that turnovers go round them all (a
+            # trial far behind ends within a few steps, and the budget above
+            # caps what these re-checks lose)
+            old = [n for n in measured if n != bucket.best
+                   and self._admitted - measured[n].admitted >= turnover]
+            if old:
+                bucket.renewed = self._admitted
+                return self._by_name[min(old, key=lambda n: (measured[n].admitted,
+                                                             measured[n].at))]
         return self._by_name[max(measured, key=score)]
 
     def _cold_order(self) -> list[str]:

@@ -13,8 +13,10 @@ the raw gap, the query tokens verified and whether the drafter ran.
 
 It prints, per arm, the counted steps, the median step time and gap, the
 tokens per request per step and the rate they make (tokens/s per request);
-and the plain steps by their position after a switch away from a tree arm
-(does a plain step right after tree steps cost what a later one does?).
+the plain steps by their position after a switch away from a tree arm
+(does a plain step right after tree steps cost what a later one does?); and
+per batch (one prompt at one request: one text) what the default delivered
+against what plain delivered on the same text, with every arm's rate there.
 With ``--out`` the steps are kept as JSON; ``--summary JSON`` prints the
 tables of a saved run again.
 
@@ -47,6 +49,7 @@ def record(config: str, concurrency: int, batches: int, max_tokens: int | None) 
 
     steps: list[dict] = []
     last_gap = [0.0]
+    batch = [0]
     busy = step_clock.BusyGap.busy
     observe = tuner.RateTuner.observe
 
@@ -60,7 +63,7 @@ def record(config: str, concurrency: int, batches: int, max_tokens: int | None) 
         steps.append({"arm": trial.arm.name if trial is not None else None,
                       "reqs": num_reqs, "tokens": tokens, "seconds": round(seconds, 7),
                       "gap": round(last_gap[0], 7), "counted": counted,
-                      "verified": verified, "drafted": drafted})
+                      "verified": verified, "drafted": drafted, "batch": batch[0]})
         return observe(self, num_reqs, tokens, seconds, counted, verified, drafted)
 
     step_clock.BusyGap.busy = busy_recorded
@@ -77,6 +80,7 @@ def record(config: str, concurrency: int, batches: int, max_tokens: int | None) 
                             max_tokens=max_tokens or max(64, -(-1024 // concurrency)))
     t0 = time.perf_counter()
     for b in range(batches):
+        batch[0] = b
         prompts = [pool[(b * concurrency + i) % len(pool)] for i in range(concurrency)]
         llm.generate(prompts, params, use_tqdm=False)
         print(f"[tuner_steps] batch {b + 1}/{batches}, {len(steps)} steps, "
@@ -92,6 +96,54 @@ def runs_of(steps: list[dict]) -> list[tuple[str | None, list[dict]]]:
             runs.append((s["arm"], []))
         runs[-1][1].append(s)
     return runs
+
+
+def arm_rates(steps: list[dict]) -> dict[str, float]:
+    """Per arm, tokens/s per request over its counted steps past the first of
+    each run of it (that one verifies the previous arm's drafts)."""
+    sums: dict[str, list[float]] = {}
+    for arm, run in runs_of(steps):
+        for s in run[1:]:
+            if s["counted"]:
+                acc = sums.setdefault(str(arm), [0.0, 0.0])
+                acc[0] += s["tokens"] / s["reqs"]
+                acc[1] += s["seconds"]
+    return {a: t / sec for a, (t, sec) in sums.items() if sec > 0}
+
+
+def per_batch(steps: list[dict]) -> str:
+    """Markdown: per batch, the default's rate against plain's on the same
+    text, and the ratio of the time plain alone would have taken (at each
+    batch's plain rate) to the time the default took. Empty without the
+    batch of each step (runs recorded before it was kept)."""
+    if not steps or "batch" not in steps[0]:
+        return ""
+    lines = ["| batch | steps | default | plain | other arms (tokens/s per request, counted "
+             "steps) |", "| ---: | ---: | ---: | ---: | --- |"]
+    took = plain_alone = 0.0
+    for b in sorted({s["batch"] for s in steps}):
+        ss = [s for s in steps if s["batch"] == b]
+        counted = [s for s in ss if s["counted"]]
+        per_req = sum(s["tokens"] / s["reqs"] for s in counted)
+        seconds = sum(s["seconds"] for s in counted)
+        rates = arm_rates(ss)
+        steps_of = {}
+        for arm, run in runs_of(ss):
+            steps_of[str(arm)] = steps_of.get(str(arm), 0) + sum(s["counted"] for s in run[1:])
+        plain = rates.get("plain")
+        if plain and seconds:
+            took += seconds
+            plain_alone += per_req / plain
+        others = ", ".join(f"{a} {r:.0f} ({steps_of[a]})" for a, r in
+                           sorted(rates.items(), key=lambda kv: -kv[1]) if a != "plain")
+        lines.append(f"| {b} | {len(ss)} | {per_req / seconds if seconds else 0:.0f} | "
+                     f"{plain:.0f} | {others} |" if plain else
+                     f"| {b} | {len(ss)} | {per_req / seconds if seconds else 0:.0f} | - | "
+                     f"{others} |")
+    if took:
+        lines += ["", f"The default over plain on the same text (plain's time at each "
+                  f"batch's plain rate over the default's time): {plain_alone / took:.3f}x"]
+    return "\n".join(lines)
 
 
 def summary(steps: list[dict]) -> str:
@@ -126,6 +178,9 @@ def summary(steps: list[dict]) -> str:
         for i in sorted(after):
             label = f"{i}+" if i == AFTER_SWITCH else str(i)
             lines.append(f"| {label} | {len(after[i])} | {1e3 * statistics.median(after[i]):.2f} |")
+    batches = per_batch(steps)
+    if batches:
+        lines += ["", "Per batch (tokens/s per request):", "", batches]
     return "\n".join(lines)
 
 

@@ -568,3 +568,24 @@ def test_new_text_costs_little_where_trees_never_pay():
         assert tuner.best(1) == Arm("plain")
         rechecks = sum(1 for rec in tuner.history if rec.arm != "plain" and rec.at > 6.0)
         assert rechecks >= 5, rechecks  # the rule ran (and cost what was asserted)
+
+
+def test_trees_ahead_together_on_one_prompt_lead_on_their_pooled_comparisons():
+    """A plain incumbent, and the three trees each tried once on one easy
+    prompt, each 1.5x plain: no tree has the three comparisons of its own a
+    switch needs, but the text moves the trees together, and their pooled
+    comparisons are ahead beyond their noise: the third tree takes over. With
+    one of the three at 0.6x the pooled comparisons disagree, and plain stays."""
+    def trial(tuner, ratios):  # one trial of the arm the tuner picks, to its close
+        arm, closed = tuner.arm(1), tuner.closed
+        while tuner.closed == closed:
+            tuner.observe(1, 1.0, 0.01 / ratios.get(arm.name, 1.0))
+        return arm
+
+    for ratios, leads in (({"fixed2": 1.5, "fixed4": 1.5, "fixed8": 1.5}, True),
+                          ({"fixed2": 0.6, "fixed4": 1.5, "fixed8": 1.5}, False)):
+        tuner = RateTuner(8, trial_seconds=0.05, min_steps=4, with_model=False)
+        tried = [trial(tuner, ratios).name for _ in range(6)]
+        assert tried == ["plain", "fixed4", "plain", "fixed2", "plain", "fixed8"], tried
+        assert [r.arm for r in tuner.history] == tried  # one trial of each tree
+        assert tuner.best(1) == (Arm("fixed", 8) if leads else Arm("plain")), ratios

@@ -21,3 +21,21 @@ def test_runs_and_tables():
     # the plain run after the tree arm, step by step (its first step not shown)
     assert "| 1 | 1 | 4.00 |" in text and "| 2 | 1 | 3.00 |" in text
     assert "| 3 | 1 | 2.00 |" in text
+
+
+def test_per_batch_against_plain_on_the_same_text():
+    def batch(b, steps):
+        return [dict(s, batch=b) for s in steps]
+    # batch 0: 11 plain steps at 500/s, then 3 tree steps at 1000/s; batch 1:
+    # plain only, at 250/s (the first step of each run of an arm is left out
+    # of that arm's rate, not out of what the default delivered)
+    steps = (batch(0, [_step("plain", 2e-3)] * 11 + [_step("fixed8", 5e-3, tokens=5.0)] * 3)
+             + batch(1, [_step("plain", 4e-3)] * 11))
+    text = summary(steps)
+    assert "| 0 | 14 | 703 | 500 | fixed8 1000 (2) |" in text
+    assert "| 1 | 11 | 250 | 250 |  |" in text
+    # plain alone: batch 0's 26 tokens at 500/s (0.052 s) + batch 1's 11 at
+    # 250/s (0.044 s) = 0.096 s, against 0.037 + 0.044 s taken
+    assert "on the same text" in text and ": 1.185x" in text
+    assert "Per batch" not in summary([{k: v for k, v in s.items() if k != "batch"}
+                                       for s in steps])

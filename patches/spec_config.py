@@ -337,7 +337,7 @@ def keep_trailing_cached_block(vllm_dict: dict[str, Any], prefix_caching: bool |
     of up to one block per request on every hit: on the bundled pair at 64
     requests with prefix caching, a fifth of a plain-mode round's time.
     """
-    from vllm.config import SpeculativeConfig
+    from vllm.config.speculative import SpeculativeConfig
 
     fields = getattr(SpeculativeConfig, "__dataclass_fields__", {})
     if _BLOCK_DROP_FIELD not in fields or _BLOCK_DROP_FIELD in vllm_dict:

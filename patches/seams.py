@@ -162,9 +162,6 @@ SEAMS: list[Seam] = [
     _S("vllm.config.speculative:SpeculativeConfig.rejection_sample_method", "attribute",
        "config", "refused unless `standard`: the tree walk replaces the rejection sampler",
        changes={"0.33": "adds the lossy `fly`; refused like every non-standard method"}),
-    _S("vllm.config.speculative:SpeculativeConfig.disable_eagle_block_drop", "attribute",
-       "config", "True for DDTree unless the user set it: prefix-cache hits keep their last "
-       "block (a DFlash drafter's context K/V needs nothing past its token)"),
     _S("vllm.config.speculative:SpeculativeConfig.draft_sample_method", "attribute", "config",
        "refused unless the default: trees come from the drafter's distribution"),
     _S("vllm.config.speculative:SpeculativeConfig.max_num_new_slots_for_drafting",

@@ -316,40 +316,6 @@ def _find_drafter(target: str) -> str:
     return drafter.model
 
 
-# vLLM's SpeculativeConfig field that stops the scheduler from dropping the
-# last matched prefix-cache block for EAGLE-style drafters (DFlash included).
-_BLOCK_DROP_FIELD = "disable_eagle_block_drop"
-
-
-def keep_trailing_cached_block(vllm_dict: dict[str, Any], prefix_caching: bool | None) -> None:
-    """Keep the whole prefix-cache hit (``disable_eagle_block_drop``) unless
-    the user set it.
-
-    vLLM drops the last matched block of every prefix-cache hit for EAGLE-style
-    methods, DFlash among them: an EAGLE drafter's K/V at a position is built
-    from the *next* token too, so the trailing block of a cached prefix may
-    hold drafter K/V made before that token was known. A DFlash drafter's
-    context K/V at a position is a function of the target's hidden states
-    there and the position alone, and DDTree stores it for every token the
-    target computes before the drafter next reads its cache (plain steps
-    included: ``DDTreeRunnerMixin._ddtree_store_pending_context``), so every
-    full cached block carries it whole. The dropped block costs a re-prefill
-    of up to one block per request on every hit: on the bundled pair at 64
-    requests with prefix caching, a fifth of a plain-mode round's time.
-    """
-    from vllm.config.speculative import SpeculativeConfig
-
-    fields = getattr(SpeculativeConfig, "__dataclass_fields__", {})
-    if _BLOCK_DROP_FIELD not in fields or _BLOCK_DROP_FIELD in vllm_dict:
-        return  # this vLLM has no such switch, or the user chose
-    vllm_dict[_BLOCK_DROP_FIELD] = True
-    if prefix_caching is not False:
-        logger.info("DDTree: prefix-cache hits keep their last block (%s=True): a DFlash "
-                    "drafter's context K/V of a token depends on that token's target hidden "
-                    "states and position only, so vLLM's warning that this may affect "
-                    "acceptance does not apply to DDTree.", _BLOCK_DROP_FIELD)
-
-
 def _build(original):
     def create_speculative_config(self, target_model_config, target_parallel_config):
         user = _user_dict(self)
@@ -363,7 +329,6 @@ def _build(original):
         runtime = resolve(cfg, draft_config)
         _configure_engine(self, target_model_config, target_parallel_config, runtime.budget,
                           draft_config)
-        keep_trailing_cached_block(vllm_dict, self.enable_prefix_caching)
         self.speculative_config = vllm_dict
         spec = original(self, target_model_config, target_parallel_config)
         # Post-construction attributes are not validated by pydantic and survive

@@ -86,21 +86,6 @@ def test_no_drafting_slots_reserved(tiny_pair):
     assert chain.speculative_config.max_num_new_slots_for_drafting == expect
 
 
-def test_prefix_cache_hits_keep_their_last_block(tiny_pair):
-    """DDTree keeps the whole prefix-cache hit (a DFlash drafter's context
-    K/V of a token needs nothing past it); the chain keeps vLLM's drop, and a
-    user's explicit choice stands."""
-    target, drafter = tiny_pair
-    tree = _engine_config(target, {"method": "ddtree", "model": drafter}).speculative_config
-    chain = _engine_config(target, {"method": "dflash", "model": drafter,
-                                    "num_speculative_tokens": 15}).speculative_config
-    chosen = _engine_config(target, {"method": "ddtree", "model": drafter,
-                                     "disable_eagle_block_drop": False}).speculative_config
-    assert tree.use_eagle() and not tree.use_eagle_block_drop()
-    assert chain.use_eagle_block_drop()
-    assert chosen.use_eagle_block_drop()
-
-
 @pytest.mark.parametrize("budget", [0, -3])
 def test_budget_must_be_positive(tiny_pair, budget):
     target, drafter = tiny_pair

@@ -13,7 +13,8 @@ def all_patches() -> list[Patch]:
                                      model_runner, request_params, spec_config, stat_loggers,
                                      structured_output)
 
-    return [spec_config.PATCH, spec_config.PREFIX_CACHING_DEFAULT, spec_config.DRAFTING_SLOTS,
+    return [spec_config.PATCH, spec_config.PREFIX_CACHING_DEFAULT, spec_config.BATCH_DEFAULTS,
+            spec_config.DRAFTING_SLOTS,
             request_params.PATCH,
             logitsprocs.PATCH, model_runner.CPU_RUNNER, model_runner.CUDA_RUNNER,
             stat_loggers.PATCH, cpu_seed_rewind.SNAPSHOT, cpu_seed_rewind.REWIND,

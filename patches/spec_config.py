@@ -316,6 +316,81 @@ def _find_drafter(target: str) -> str:
     return drafter.model
 
 
+# vLLM's SpeculativeConfig field that stops the scheduler from dropping the
+# last matched prefix-cache block for EAGLE-style drafters (DFlash included).
+_BLOCK_DROP_FIELD = "disable_eagle_block_drop"
+
+
+def keep_trailing_cached_block(vllm_dict: dict[str, Any], prefix_caching: bool | None) -> None:
+    """Keep the whole prefix-cache hit (``disable_eagle_block_drop``) unless
+    the user set it.
+
+    vLLM drops the last matched block of every prefix-cache hit for EAGLE-style
+    methods, DFlash among them: an EAGLE drafter's K/V at a position is built
+    from the *next* token too, so the trailing block of a cached prefix may
+    hold drafter K/V made before that token was known. A DFlash drafter's
+    context K/V at a position is a function of the target's hidden states
+    there and the position alone, and DDTree stores it for every token the
+    target computes before the drafter next reads its cache (plain steps
+    included: ``DDTreeRunnerMixin._ddtree_store_pending_context``), so every
+    full cached block carries it whole. The dropped block costs a re-prefill
+    of up to one block per request on every hit: on the bundled pair at 64
+    requests with prefix caching, a fifth of a plain-mode round's time.
+    """
+    from vllm.config.speculative import SpeculativeConfig
+
+    fields = getattr(SpeculativeConfig, "__dataclass_fields__", {})
+    if _BLOCK_DROP_FIELD not in fields or _BLOCK_DROP_FIELD in vllm_dict:
+        return  # this vLLM has no such switch, or the user chose
+    vllm_dict[_BLOCK_DROP_FIELD] = True
+    if prefix_caching is not False:
+        logger.info("DDTree: prefix-cache hits keep their last block (%s=True): a DFlash "
+                    "drafter's context K/V of a token depends on that token's target hidden "
+                    "states and position only, so vLLM's warning that this may affect "
+                    "acceptance does not apply to DDTree.", _BLOCK_DROP_FIELD)
+
+
+# Set on the EngineArgs by create_speculative_config: the drafter's query rows
+# per request in one drafting step (the bonus token and every drafted position).
+_ROWS_ATTR = "_ddtree_drafter_rows"
+
+
+def fit_drafter_rows(args: Any, rows: int, user_tokens: int | None,
+                     user_seqs: int | None) -> None:
+    """Make ``max_num_batched_tokens`` hold a drafting step of ``max_num_seqs``
+    requests, ``rows`` drafter queries each; ``user_tokens`` / ``user_seqs``
+    are the values the user set (None: vLLM's default).
+
+    DFlash sizes the drafter's token buffers (``input_ids``) and vLLM its
+    compiled shape ranges by ``max_num_batched_tokens``, yet one drafting step
+    has ``rows`` queries per request whatever each request was scheduled: a
+    batch of one-token steps (decodes, a prefill after a whole prefix-cache
+    hit) drafts ``max_num_seqs * rows`` rows. Past the buffer, vLLM's CPU
+    kernel writes out of bounds (heap corruption) and the CUDA kernel out of
+    its allocation. A default is moved to fit, the token budget first; values
+    the user set both are refused when they do not fit.
+    """
+    tokens, seqs = args.max_num_batched_tokens, args.max_num_seqs
+    need = seqs * rows
+    if need <= tokens:
+        return
+    why = (f"one DDTree drafting step has {rows} drafter query rows per request (the bonus "
+           f"token and {rows - 1} drafted positions), {need} at max_num_seqs={seqs}, more "
+           f"than max_num_batched_tokens={tokens}, which sizes the drafter's token buffers "
+           f"and compiled shapes")
+    if user_tokens is None:
+        args.max_num_batched_tokens = need
+        logger.info("DDTree: max_num_batched_tokens %d -> %d: %s.", tokens, need, why)
+    elif user_seqs is None and tokens >= rows:
+        args.max_num_seqs = tokens // rows
+        logger.warning("DDTree: max_num_seqs %d -> %d: %s. Set --max-num-batched-tokens >= %d "
+                       "to keep %d.", seqs, args.max_num_seqs, why, need, seqs)
+    else:
+        fix = (f"Use --max-num-batched-tokens >= {need}"
+               + (f" or --max-num-seqs <= {tokens // rows}" if tokens >= rows else ""))
+        raise _refuse("max_num_batched_tokens", why, fix)
+
+
 def _build(original):
     def create_speculative_config(self, target_model_config, target_parallel_config):
         user = _user_dict(self)
@@ -329,6 +404,8 @@ def _build(original):
         runtime = resolve(cfg, draft_config)
         _configure_engine(self, target_model_config, target_parallel_config, runtime.budget,
                           draft_config)
+        keep_trailing_cached_block(vllm_dict, self.enable_prefix_caching)
+        setattr(self, _ROWS_ATTR, 1 + runtime.depth)  # read by BATCH_DEFAULTS
         self.speculative_config = vllm_dict
         spec = original(self, target_model_config, target_parallel_config)
         # Post-construction attributes are not validated by pydantic and survive
@@ -376,6 +453,33 @@ PREFIX_CACHING_DEFAULT = Patch(
     upstream="vLLM has no per-speculative-method default for prefix caching",
     vllm_versions=ALL_PLATFORMS,
     build=_build_prefix_default,
+)
+
+
+def _build_batch_defaults(original):
+    def _set_default_max_num_seqs_and_batched_tokens_args(self, usage_context, model_config,
+                                                          parallel_config):
+        user_tokens, user_seqs = self.max_num_batched_tokens, self.max_num_seqs
+        out = original(self, usage_context, model_config, parallel_config)
+        rows = getattr(self, _ROWS_ATTR, None)
+        if rows is not None:
+            fit_drafter_rows(self, rows, user_tokens, user_seqs)
+        return out
+
+    return _set_default_max_num_seqs_and_batched_tokens_args
+
+
+BATCH_DEFAULTS = Patch(
+    name="ddtree-batch-defaults",
+    target="vllm.engine.arg_utils:EngineArgs._set_default_max_num_seqs_and_batched_tokens_args",
+    why="A DFlash drafting step has 1 + depth query rows per request, but vLLM sizes the "
+        "drafter's input_ids buffer and the compiled shape ranges by max_num_batched_tokens "
+        "(its defaults are set after create_speculative_config): max_num_seqs one-token "
+        "requests overran it, and vLLM's CPU kernel corrupted the heap. The defaults are "
+        "moved to fit (fit_drafter_rows); explicit values that do not fit are refused.",
+    upstream="open upstream (vllm-project/vllm#53970 raises the default for DFlash)",
+    vllm_versions=ALL_PLATFORMS,
+    build=_build_batch_defaults,
 )
 
 

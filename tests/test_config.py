@@ -17,11 +17,11 @@ def _plugin():
     register()
 
 
-def _engine_config(target, spec):
+def _engine_config(target, spec, **engine):
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(model=target, speculative_config=spec, dtype="float32",
-                      max_model_len=512, enforce_eager=True)
+                      max_model_len=512, enforce_eager=True, **engine)
     return args.create_engine_config()
 
 
@@ -84,6 +84,52 @@ def test_no_drafting_slots_reserved(tiny_pair):
     from vllm_ddtree.version import installed_vllm
     expect = 15 if installed_vllm()[1] < Version("0.33") else 0
     assert chain.speculative_config.max_num_new_slots_for_drafting == expect
+
+
+def test_prefix_cache_hits_keep_their_last_block(tiny_pair):
+    """DDTree keeps the whole prefix-cache hit (a DFlash drafter's context
+    K/V of a token needs nothing past it); the chain keeps vLLM's drop, and a
+    user's explicit choice stands."""
+    target, drafter = tiny_pair
+    tree = _engine_config(target, {"method": "ddtree", "model": drafter}).speculative_config
+    chain = _engine_config(target, {"method": "dflash", "model": drafter,
+                                    "num_speculative_tokens": 15}).speculative_config
+    chosen = _engine_config(target, {"method": "ddtree", "model": drafter,
+                                     "disable_eagle_block_drop": False}).speculative_config
+    assert tree.use_eagle() and not tree.use_eagle_block_drop()
+    assert chain.use_eagle_block_drop()
+    assert chosen.use_eagle_block_drop()
+
+
+@pytest.mark.parametrize("depth", [15, 7])
+def test_token_budget_holds_a_drafting_step(tiny_pair, depth):
+    """A drafting step has 1 + depth drafter query rows per request, whatever
+    each request was scheduled, and DFlash sizes the drafter's input_ids by
+    max_num_batched_tokens: defaults are fitted to that, the budget first."""
+    target, drafter = tiny_pair
+    tree = {"method": "ddtree", "model": drafter, "ddtree_max_depth": depth}
+    rows = 1 + depth
+    # max_num_seqs set, the token budget left to vLLM: the budget grows
+    sched = _engine_config(target, tree, max_num_seqs=300).scheduler_config
+    assert sched.max_num_seqs == 300 and sched.max_num_batched_tokens >= 300 * rows
+    # the token budget set, max_num_seqs left to vLLM: max_num_seqs shrinks
+    sched = _engine_config(target, tree, max_num_batched_tokens=512).scheduler_config
+    assert sched.max_num_batched_tokens == 512 and sched.max_num_seqs == 512 // rows
+    # values that fit stand; the chain is vLLM's
+    sched = _engine_config(target, tree, max_num_batched_tokens=512,
+                           max_num_seqs=512 // rows).scheduler_config
+    assert (sched.max_num_batched_tokens, sched.max_num_seqs) == (512, 512 // rows)
+    chain = {"method": "dflash", "model": drafter, "num_speculative_tokens": depth}
+    sched = _engine_config(target, chain, max_num_batched_tokens=512).scheduler_config
+    assert sched.max_num_seqs > 512 // rows
+
+
+def test_explicit_token_budget_too_small_for_a_drafting_step(tiny_pair):
+    target, drafter = tiny_pair
+    with pytest.raises(DDTreeConfigError, match=r"max_num_batched_tokens.*16 drafter query rows"
+                       r".*--max-num-batched-tokens >= 1024 or --max-num-seqs <= 32"):
+        _engine_config(target, {"method": "ddtree", "model": drafter},
+                       max_num_batched_tokens=512, max_num_seqs=64)
 
 
 @pytest.mark.parametrize("budget", [0, -3])
@@ -205,3 +251,20 @@ def test_served_request_params(tiny_pair):
                                     "num_speculative_tokens": 4}).speculative_config
     with pytest.raises(VLLMValidationError, match="min_p"):
         SamplingParams(min_p=0.1)._validate_spec_decode(chain)
+
+
+def test_proposer_refuses_a_buffer_a_drafting_step_overruns(tiny_pair):
+    """The start-up guard behind fit_drafter_rows: a config whose scheduler
+    admits more drafter rows than DFlash's input_ids holds never drafts."""
+    import torch
+
+    from vllm_ddtree.proposer import DDTreeProposer
+
+    target, drafter = tiny_pair
+    cfg = _engine_config(target, {"method": "ddtree", "model": drafter},
+                         max_num_batched_tokens=512, max_num_seqs=32)
+    DDTreeProposer(cfg, torch.device("cpu"))  # fits: 32 * 16 rows
+    cfg.scheduler_config.max_num_seqs = 33
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens=512 cannot hold a drafting "
+                       r"step of max_num_seqs=33 .*\(528\).*max_num_seqs <= 32"):
+        DDTreeProposer(cfg, torch.device("cpu"))

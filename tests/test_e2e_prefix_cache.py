@@ -57,12 +57,18 @@ def test_turn2_hits_generated_blocks(two_turns):
         assert all(h > n for h, n in zip(per_prompt, first)), (per_prompt, first)
     plain, tree = two_turns
     # Plain decoding caches every block turn 1 computed in full (its last
-    # sampled token is never fed). DDTree may hit less: vLLM drops the last
-    # matched block for EAGLE-style drafters, and the tokens accepted in a
-    # request's final step are not cached (a DFlash drafter counts as EAGLE).
+    # sampled token is never fed).
     fu = plain["followup"]
     full = [(len(p) - len(fu["suffix"]) - 1) // BLOCK * BLOCK for p in fu["prompts"]]
     assert fu["prefix_cache"]["per_prompt"] == full
+    # DDTree keeps the last matched block (vLLM drops it for EAGLE-style
+    # drafters, DFlash among them; patches/spec_config.py), so a hit reaches
+    # as far as plain decoding's, except that the tokens accepted in a
+    # request's final step are never cached: one block less where they
+    # crossed a block boundary. With vLLM's drop no hit could reach `full`.
+    hits = tree["followup"]["prefix_cache"]["per_prompt"]
+    assert all(h in (f, f - BLOCK) for h, f in zip(hits, full)), (hits, full)
+    assert any(h == f for h, f in zip(hits, full)), (hits, full)
 
 
 def test_turn2_matches_plain(two_turns):

@@ -52,6 +52,17 @@ class DDTreeProposer(DFlashProposer):
             super().__init__(vllm_config, device, runner)
         finally:
             spec.num_speculative_tokens = runtime.budget
+        # A drafting step writes 1 + depth query ids per request into input_ids,
+        # which DFlash sizes by max_num_batched_tokens; the engine arguments are
+        # fitted to that (patches/spec_config.py, fit_drafter_rows), a config
+        # built around them is refused here rather than overrun.
+        rows = self.max_batch_size * (1 + runtime.depth)
+        if rows > self.input_ids.numel():
+            raise ValueError(
+                f"DDTree: max_num_batched_tokens={self.max_num_tokens} cannot hold a drafting "
+                f"step of max_num_seqs={self.max_batch_size} requests with {1 + runtime.depth} "
+                f"drafter query rows each ({rows}). Use max_num_batched_tokens >= {rows} or "
+                f"max_num_seqs <= {self.max_num_tokens // (1 + runtime.depth)}.")
         self.ddtree = runtime
         self.target_attn_layers: frozenset[str] = frozenset()
         self._draft_logits: torch.Tensor | None = None

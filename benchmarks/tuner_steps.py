@@ -20,6 +20,16 @@ against what plain delivered on the same text, with every arm's rate there.
 With ``--out`` the steps are kept as JSON; ``--summary JSON`` prints the
 tables of a saved run again.
 
+``--alternate ARM N`` takes the choice away from the tuner: the engine runs
+plain for ``N`` steps, then ``ARM`` (e.g. ``fixed8``) for ``N``, and so on,
+so that the steps after a switch are not a selection of the text the tuner
+happened to explore on. Each step also records the target's forward and the
+scheduler's ``schedule`` (microseconds); the table of plain steps after a
+switch shows them, telling a cost of the step's own work from a slowdown of
+the whole process::
+
+    python -m benchmarks.tuner_steps --config dense --batches 6 --alternate fixed8 12
+
 A diagnosis of the tuner's inputs, not a speed verdict: the verdict is
 ``bench_default`` (arms interleaved, several rounds).
 """
@@ -39,7 +49,39 @@ ROOT = Path(__file__).resolve().parents[1]
 AFTER_SWITCH = 12  # plain steps after a switch shown one by one; later ones pooled
 
 
-def record(config: str, concurrency: int, batches: int, max_tokens: int | None) -> list[dict]:
+def _force_alternation(tuner_cls, arm: str, period: int) -> None:
+    """``RateTuner.arm`` runs plain for ``period`` steps, then ``arm``, in turn."""
+    count = [0]
+
+    def alternate(self, num_reqs):
+        count[0] += 1
+        if (count[0] // period) % 2 == 0:
+            return self.arms[0]
+        for a in self.arms:
+            if a.name == arm:
+                return a
+        raise SystemExit(f"--alternate: no arm {arm!r}; the tuner has "
+                         f"{', '.join(a.name for a in self.arms)}")
+
+    tuner_cls.arm = alternate
+
+
+def _timed(cls, name: str, into: dict, key: str) -> None:
+    """Add each call's microseconds to ``into[key]``."""
+    fn = getattr(cls, name)
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into[key] = into.get(key, 0.0) + (time.perf_counter_ns() - t0) / 1e3
+
+    setattr(cls, name, timed)
+
+
+def record(config: str, concurrency: int, batches: int, max_tokens: int | None,
+           alternate: tuple[str, int] | None = None) -> list[dict]:
     """Every step the default engine's tuner observed, in order."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process
     # (bench_default's arm environments keep it so)
@@ -57,16 +99,44 @@ def record(config: str, concurrency: int, batches: int, max_tokens: int | None) 
         last_gap[0] = gap
         return busy(self, gap)
 
+    # the observed step's phases (observe runs as the next step starts, after
+    # its schedule: that one belongs to the next step)
+    phases: dict[str, float] = {}
+    done: dict[str, float] = {}
+    chosen = [None]
+
+    def arm_recorded(self, num_reqs):
+        a = arm_of(self, num_reqs)
+        chosen[0] = a.name
+        return a
+
     def observe_recorded(self, num_reqs, tokens, seconds, counted=True, verified=None,
                          drafted=False):
-        trial = self._trial
-        steps.append({"arm": trial.arm.name if trial is not None else None,
-                      "reqs": num_reqs, "tokens": tokens, "seconds": round(seconds, 7),
-                      "gap": round(last_gap[0], 7), "counted": counted,
-                      "verified": verified, "drafted": drafted, "batch": batch[0]})
+        steps.append({"arm": chosen[0], "reqs": num_reqs, "tokens": tokens,
+                      "seconds": round(seconds, 7), "gap": round(last_gap[0], 7),
+                      "counted": counted, "verified": verified, "drafted": drafted,
+                      "batch": batch[0], "forward_us": round(done.get("forward", 0.0), 1),
+                      "schedule_us": round(done.get("schedule", 0.0), 1)})
         return observe(self, num_reqs, tokens, seconds, counted, verified, drafted)
 
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def schedule_then_roll(self, *args, **kwargs):
+        done.clear()
+        done.update(phases)  # the step that just ended
+        phases.clear()
+        return schedule(self, *args, **kwargs)
+
+    schedule = Scheduler.schedule
+    Scheduler.schedule = schedule_then_roll
+    _timed(Scheduler, "schedule", phases, "schedule")
+    _timed(GPUModelRunner, "_model_forward", phases, "forward")
     step_clock.BusyGap.busy = busy_recorded
+    if alternate is not None:
+        _force_alternation(tuner.RateTuner, *alternate)
+    arm_of = tuner.RateTuner.arm
+    tuner.RateTuner.arm = arm_recorded
     tuner.RateTuner.observe = observe_recorded
     job = arms(configuration(config))["default"]
     os.environ.update({k: str(v) for k, v in job["env"].items()})
@@ -165,19 +235,27 @@ def summary(steps: list[dict]) -> str:
         lines.append(f"| {arm} | {len(ss)} | {1e3 * sec:.2f} | "
                      f"{1e3 * statistics.median(s['gap'] for s in ss):.2f} | {per:.2f} | "
                      f"{per / sec:.0f} |")
-    after: dict[int, list[float]] = {}
+    after: dict[int, list[dict]] = {}
     for (prev, _), (arm, run) in zip(runs, runs[1:]):
         if arm != "plain" or prev in (None, "plain"):
             continue
         for i, s in enumerate(run[1:], start=1):
             if s["counted"]:
-                after.setdefault(min(i, AFTER_SWITCH), []).append(s["seconds"])
+                after.setdefault(min(i, AFTER_SWITCH), []).append(s)
     if after:
-        lines += ["", "Plain steps after a switch from a tree arm:", "",
-                  "| step of the plain run | steps | ms (median) |", "| ---: | ---: | ---: |"]
+        phased = "forward_us" in next(iter(after.values()))[0]
+        lines += ["", "Plain steps after a switch from a tree arm (medians):", "",
+                  "| step of the plain run | steps | ms | target forward, us | schedule, us |"
+                  if phased else "| step of the plain run | steps | ms |",
+                  "| ---: | ---: | ---: | ---: | ---: |" if phased else "| ---: | ---: | ---: |"]
         for i in sorted(after):
+            ss = after[i]
             label = f"{i}+" if i == AFTER_SWITCH else str(i)
-            lines.append(f"| {label} | {len(after[i])} | {1e3 * statistics.median(after[i]):.2f} |")
+            row = f"| {label} | {len(ss)} | {1e3 * statistics.median(s['seconds'] for s in ss):.2f} |"
+            if phased:
+                row += (f" {statistics.median(s['forward_us'] for s in ss):.0f} |"
+                        f" {statistics.median(s['schedule_us'] for s in ss):.0f} |")
+            lines.append(row)
     batches = per_batch(steps)
     if batches:
         lines += ["", "Per batch (tokens/s per request):", "", batches]
@@ -195,6 +273,9 @@ def main() -> None:
     ap.add_argument("--out", help="JSON (gzipped if it ends in .gz): every step, with the "
                     "arguments")
     ap.add_argument("--summary", metavar="JSON", help="print the tables of a saved run")
+    ap.add_argument("--alternate", nargs=2, metavar=("ARM", "N"),
+                    help="run plain and ARM (e.g. fixed8) for N steps each, in turn, "
+                    "instead of the tuner's choice")
     args = ap.parse_args()
     if args.summary:
         print(summary(json.loads(gzip.decompress(Path(args.summary).read_bytes())
@@ -203,7 +284,13 @@ def main() -> None:
         return
     if args.concurrency < 1 or args.batches < 1:
         raise SystemExit("--concurrency and --batches must be at least 1")
-    steps = record(args.config, args.concurrency, args.batches, args.max_tokens)
+    alternate = None
+    if args.alternate:
+        arm, period = args.alternate
+        if not period.isdigit() or int(period) < 2:
+            raise SystemExit(f"--alternate: N must be an integer >= 2, got {period!r}")
+        alternate = (arm, int(period))
+    steps = record(args.config, args.concurrency, args.batches, args.max_tokens, alternate)
     if args.out:
         text = json.dumps({"args": vars(args), "steps": steps}, separators=(",", ":"))
         Path(args.out).write_bytes(gzip.compress(text.encode()) if args.out.endswith(".gz")

@@ -39,3 +39,32 @@ def test_per_batch_against_plain_on_the_same_text():
     assert "on the same text" in text and ": 1.185x" in text
     assert "Per batch" not in summary([{k: v for k, v in s.items() if k != "batch"}
                                        for s in steps])
+
+
+def test_phases_of_plain_steps_after_a_switch():
+    """With the forward and the scheduler timed, the table shows them per step
+    of the plain run: a slowdown of the whole process shows in both."""
+    steps = ([dict(_step("fixed8", 10e-3, tokens=5.0), forward_us=1500.0, schedule_us=80.0)] * 3
+             + [dict(_step("plain", 3e-3), forward_us=1200.0, schedule_us=75.0)] * 2
+             + [dict(_step("plain", 2e-3), forward_us=800.0, schedule_us=45.0)])
+    text = summary(steps)
+    assert "| step of the plain run | steps | ms | target forward, us | schedule, us |" in text
+    assert "| 1 | 1 | 3.00 | 1200 | 75 |" in text and "| 2 | 1 | 2.00 | 800 | 45 |" in text
+
+
+def test_forced_alternation_cycles_plain_and_one_arm():
+    import pytest
+
+    from benchmarks.tuner_steps import _force_alternation
+    from vllm_ddtree.core.tuner import RateTuner
+
+    class Tuner(RateTuner):
+        pass
+
+    _force_alternation(Tuner, "fixed8", 3)
+    tuner = Tuner(budget=16)
+    names = [tuner.arm(1).name for _ in range(12)]
+    assert names == ["plain"] * 2 + ["fixed8"] * 3 + ["plain"] * 3 + ["fixed8"] * 3 + ["plain"]
+    _force_alternation(Tuner, "fixed5", 3)
+    with pytest.raises(SystemExit, match="no arm 'fixed5'"):
+        [tuner.arm(1) for _ in range(6)]

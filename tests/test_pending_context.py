@@ -67,3 +67,60 @@ def test_a_request_not_in_the_batch_stores_everything():
     runner, stored = _runner(prefix_caching=False)
     runner._ddtree_release_pending_context({"a", "gone"})
     assert len(stored) == 1 and stored[0][2].numel() == 9
+
+
+def _as_outputs(hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor):
+    """One plain step's rows as a CPU plain step keeps them by reference: the
+    forward's k = 3 auxiliary outputs (two columns each), numpy copies of the
+    positions and slots."""
+    return (tuple(hidden[:, 2 * i: 2 * i + 2].clone() for i in range(3)),
+            positions.numpy().copy(), slots.numpy().copy())
+
+
+def test_rows_kept_as_the_forwards_outputs_join_in_step_order():
+    from vllm_ddtree.runner import _pending_rows
+
+    runner, _ = _runner(prefix_caching=False)
+    tensor_items = list(runner.ddtree_pending_context)
+    extra = (20 + torch.arange(2.0)[:, None].repeat(1, 6), 20 + torch.arange(2),
+             torch.tensor([15, 22]))
+    # copied, by reference, by reference, copied: one order in, one order out
+    mixed = [tensor_items[0], _as_outputs(*tensor_items[1]), _as_outputs(*extra), extra]
+    hidden, positions, slots = _pending_rows(mixed)
+    want = [tensor_items[0], tensor_items[1], extra, extra]
+    assert torch.equal(hidden, torch.cat([h for h, _, _ in want]))
+    assert positions.tolist() == torch.cat([p for _, p, _ in want]).tolist()
+    assert slots.tolist() == torch.cat([s for _, _, s in want]).tolist()
+    assert hidden.shape == (13, 6) and positions.dtype == slots.dtype == torch.int64
+
+
+def test_freed_rows_are_dropped_from_rows_kept_by_reference():
+    runner, stored = _runner(prefix_caching=False)
+    runner.ddtree_pending_context = [_as_outputs(*item) for item in runner.ddtree_pending_context]
+    runner._ddtree_release_pending_context({"a", "c"})
+    assert runner.ddtree_pending_rows == 2
+    runner._ddtree_store_pending_context()
+    (hidden, positions, slots), = stored
+    assert slots.tolist() == [20, 21] and positions.tolist() == [2, 12]
+    assert hidden[:, 0].tolist() == [2.0, 12.0] and hidden.shape == (2, 6)
+
+
+def test_outputs_are_kept_by_reference_only_when_the_forward_returns_new_tensors():
+    pytest.importorskip("vllm")
+    from vllm_ddtree.runner import DDTreeRunnerMixin
+
+    def runner(device):
+        r = object.__new__(type("R", (DDTreeRunnerMixin,), {}))
+        r.device = torch.device(device)
+        r.ddtree_aux_refs, r.ddtree_aux_probe = None, None
+        return r
+
+    fresh = runner("cpu")
+    assert fresh._ddtree_keeps_outputs([torch.zeros(2, 4)]) is False  # the first step copies
+    assert fresh._ddtree_keeps_outputs([torch.zeros(2, 4)]) is True
+    assert fresh.ddtree_aux_probe is None
+    reused, out = runner("cpu"), torch.zeros(8, 4)
+    assert reused._ddtree_keeps_outputs([out[:2]]) is False
+    assert reused._ddtree_keeps_outputs([out[:3]]) is False  # the same buffer again
+    assert reused._ddtree_keeps_outputs([torch.zeros(2, 4)]) is False  # decided for good
+    assert runner("meta")._ddtree_keeps_outputs([torch.zeros(2, 4)]) is False

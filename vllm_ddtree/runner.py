@@ -115,8 +115,16 @@ class DDTreeRunnerMixin:
         # Plain steps' tokens whose drafter context K/V is not stored yet:
         # (hidden states, positions, drafter slots) per step, stored together
         # when the drafter next runs (plain steps then cost what plain decoding does).
-        self.ddtree_pending_context: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # The hidden states are one [n, k * H] tensor, or (CPU) the forward's
+        # own k auxiliary outputs; positions and slots tensors or numpy copies
+        # (_ddtree_plain_step, _pending_rows).
+        self.ddtree_pending_context: list[tuple] = []
         self.ddtree_pending_rows = 0
+        # Whether a plain step keeps the forward's auxiliary outputs by
+        # reference (None: not known yet; see _ddtree_keeps_outputs)
+        self.ddtree_aux_refs: bool | None = None
+        self.ddtree_aux_probe: torch.Tensor | None = None
+        self.ddtree_host_views: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
         self.ddtree_budgets: torch.Tensor | None = None  # [R] of the last drafts
         self.ddtree_step: dict | None = None  # the step being timed
         self.ddtree_gap = BusyGap()  # engine time between two runner steps, idle left out
@@ -559,10 +567,18 @@ class DDTreeRunnerMixin:
         resumes, ``_ddtree_store_pending_context``) and schedule no drafts,
         without the rest of the drafting machinery."""
         n = scheduler_output.total_num_scheduled_tokens
-        slots = self.input_batch.block_table[self.drafter.kv_cache_gid].slot_mapping.gpu[:n]
-        pending = self.ddtree_pending_context
-        pending.append((torch.cat([h[:n] for h in aux_hidden_states], dim=-1),
-                        self.positions[:n].clone(), slots.clone()))
+        slots = self.input_batch.block_table[self.drafter.kv_cache_gid].slot_mapping.gpu
+        if self._ddtree_keeps_outputs(aux_hidden_states):
+            # no tensor op: a few of them cost as much as the rest of a
+            # plain step's bookkeeping (the rows are joined when stored)
+            self.ddtree_pending_context.append((
+                tuple(h if h.shape[0] == n else h[:n] for h in aux_hidden_states),
+                self._ddtree_host(self.positions)[:n].copy(),
+                self._ddtree_host(slots)[:n].copy()))
+        else:
+            self.ddtree_pending_context.append((
+                torch.cat([h[:n] for h in aux_hidden_states], dim=-1),
+                self.positions[:n].clone(), slots[:n].clone()))
         self.ddtree_pending_rows += n
         if self.ddtree_pending_rows >= PENDING_CONTEXT_ROWS:
             self._ddtree_store_pending_context()
@@ -577,6 +593,34 @@ class DDTreeRunnerMixin:
         # No drafts as lists (vLLM's path for host-side proposers): nothing to
         # copy to the host and turn into num_reqs x budget Python ints.
         return [[] for _ in range(num_reqs)]
+
+    def _ddtree_keeps_outputs(self, aux_hidden_states) -> bool:
+        """Whether a plain step may keep the forward's auxiliary outputs by
+        reference. Only on CPU, and only if the forward returns new tensors
+        every step: the first plain step copies its rows and holds on to the
+        forward's output; the second compares its own with it (an output
+        buffer the forward reused would be the same memory, which nothing
+        else can hold while it is referenced). CUDA graphs replay into fixed
+        outputs: copied there."""
+        if self.ddtree_aux_refs is not None:
+            return self.ddtree_aux_refs
+        if self.device.type != "cpu":
+            self.ddtree_aux_refs = False
+            return False
+        probe, self.ddtree_aux_probe = self.ddtree_aux_probe, aux_hidden_states[0]
+        if probe is None:
+            return False
+        self.ddtree_aux_probe = None
+        self.ddtree_aux_refs = (aux_hidden_states[0].untyped_storage().data_ptr()
+                                != probe.untyped_storage().data_ptr())
+        return self.ddtree_aux_refs
+
+    def _ddtree_host(self, t: torch.Tensor) -> np.ndarray:
+        """A numpy view of a persistent CPU buffer (made once)."""
+        view = self.ddtree_host_views.get(id(t))
+        if view is None or view[0] is not t:
+            view = self.ddtree_host_views[id(t)] = (t, t.numpy())
+        return view[1]
 
     def _ddtree_release_pending_context(self, req_ids) -> None:
         """Pending context rows of requests that gave their blocks back
@@ -599,15 +643,11 @@ class DDTreeRunnerMixin:
         blocks = np.concatenate([table.block_table.np[r, :table.num_blocks_per_row[r]]
                                  for r in rows] + [np.zeros(0, dtype=np.int32)])
         freed = torch.from_numpy(blocks.astype(np.int64))
-        kept = []
-        for hidden, positions, slots in self.ddtree_pending_context:
-            live = ~torch.isin(slots // table.block_size, freed.to(slots.device))
-            if bool(live.all()):
-                kept.append((hidden, positions, slots))
-            elif bool(live.any()):
-                kept.append((hidden[live], positions[live], slots[live]))
+        hidden, positions, slots = _pending_rows(self.ddtree_pending_context)
+        live = ~torch.isin(slots // table.block_size, freed.to(slots.device))
+        kept = [(hidden[live], positions[live], slots[live])] if bool(live.any()) else []
         self.ddtree_pending_context = kept
-        self.ddtree_pending_rows = sum(p[2].shape[0] for p in kept)
+        self.ddtree_pending_rows = int(live.sum())
 
     def _ddtree_store_pending_context(self) -> None:
         """The drafter's context K/V of the tokens of plain steps since it last
@@ -617,7 +657,7 @@ class DDTreeRunnerMixin:
         pending = self.ddtree_pending_context
         if not pending:
             return
-        hidden, positions, slots = (torch.cat(parts) for parts in zip(*pending))
+        hidden, positions, slots = _pending_rows(pending)
         pending.clear()
         self.ddtree_pending_rows = 0
         self.drafter.store_context(hidden, positions, slots)
@@ -635,9 +675,8 @@ class DDTreeRunnerMixin:
         self.num_accepted_tokens_event.record()
 
     def take_draft_token_ids(self):
-        out = super().take_draft_token_ids()
         if self.ddtree is None:
-            return out
+            return super().take_draft_token_ids()
         if self.ddtree_no_drafts:
             # A plain step in plain mode drafted for no request. The scheduler
             # cleared the drafts of every request it scheduled, so it has
@@ -649,6 +688,7 @@ class DDTreeRunnerMixin:
             if self.ddtree_stats is not None:
                 self.ddtree_stats.add_choice(0)
             return None
+        out = super().take_draft_token_ids()
         budgets, self.ddtree_budgets = self.ddtree_budgets, None
         if out is None:
             return out
@@ -856,6 +896,38 @@ class DDTreeRunnerMixin:
 PROFILE_MAX_TOKENS = 1024  # largest dummy forward of the start-up profile
 # Plain steps' tokens kept for the drafter's context before they are stored anyway.
 PENDING_CONTEXT_ROWS = 8192
+
+
+def _pending_rows(pending: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pending plain-step rows (``DDTreeRunnerMixin.ddtree_pending_context``)
+    as one ``(hidden [N, k * H], positions [N], slots [N])``, in step order.
+    Consecutive steps kept as the forward's k outputs are joined per output
+    first (one concatenation each, not one per step)."""
+
+    def runs(items, joined, is_run):
+        out, run = [], []
+        for x in items:
+            if is_run(x):
+                run.append(x)
+                continue
+            if run:
+                out.append(joined(run))
+                run = []
+            out.append(x)
+        if run:
+            out.append(joined(run))
+        return out
+
+    hidden = runs([h for h, _, _ in pending],
+                  lambda run: torch.cat([torch.cat(parts) for parts in zip(*run)], dim=-1),
+                  lambda h: isinstance(h, tuple))
+
+    def ids(col: int) -> torch.Tensor:
+        return torch.cat([torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+                          for x in runs([p[col] for p in pending], np.concatenate,
+                                        lambda x: isinstance(x, np.ndarray))])
+
+    return torch.cat(hidden), ids(1), ids(2)
 
 
 def _tuner_overrides() -> dict:

@@ -122,15 +122,19 @@ def record(config: str, concurrency: int, batches: int, max_tokens: int | None,
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    def schedule_then_roll(self, *args, **kwargs):
+    schedule = Scheduler.schedule
+
+    def schedule_timed(self, *args, **kwargs):
         done.clear()
         done.update(phases)  # the step that just ended
         phases.clear()
-        return schedule(self, *args, **kwargs)
+        t0 = time.perf_counter_ns()
+        try:
+            return schedule(self, *args, **kwargs)
+        finally:
+            phases["schedule"] = (time.perf_counter_ns() - t0) / 1e3
 
-    schedule = Scheduler.schedule
-    Scheduler.schedule = schedule_then_roll
-    _timed(Scheduler, "schedule", phases, "schedule")
+    Scheduler.schedule = schedule_timed
     _timed(GPUModelRunner, "_model_forward", phases, "forward")
     step_clock.BusyGap.busy = busy_recorded
     if alternate is not None:

@@ -124,3 +124,14 @@ def test_outputs_are_kept_by_reference_only_when_the_forward_returns_new_tensors
     assert reused._ddtree_keeps_outputs([out[:3]]) is False  # the same buffer again
     assert reused._ddtree_keeps_outputs([torch.zeros(2, 4)]) is False  # decided for good
     assert runner("meta")._ddtree_keeps_outputs([torch.zeros(2, 4)]) is False
+
+
+def test_rows_of_other_requests_stay_as_they_were():
+    """Requests without pending rows gave their blocks back: nothing is joined or copied."""
+    runner, stored = _runner(prefix_caching=False)
+    runner.ddtree_pending_context = [_as_outputs(*item) for item in runner.ddtree_pending_context]
+    before = list(runner.ddtree_pending_context)
+    runner.input_batch.block_table[1].block_table.np[1] = [11, 0, 0]  # b now owns block 11 only
+    runner._ddtree_release_pending_context({"b"})
+    assert runner.ddtree_pending_context == before and runner.ddtree_pending_rows == 9
+    assert stored == []

@@ -643,9 +643,13 @@ class DDTreeRunnerMixin:
         blocks = np.concatenate([table.block_table.np[r, :table.num_blocks_per_row[r]]
                                  for r in rows] + [np.zeros(0, dtype=np.int32)])
         freed = torch.from_numpy(blocks.astype(np.int64))
-        hidden, positions, slots = _pending_rows(self.ddtree_pending_context)
+        pending = self.ddtree_pending_context
+        slots = _pending_ids(pending, 2)
         live = ~torch.isin(slots // table.block_size, freed.to(slots.device))
-        kept = [(hidden[live], positions[live], slots[live])] if bool(live.any()) else []
+        if bool(live.all()):
+            return  # none of theirs: nothing to join or copy
+        kept = ([(_pending_hidden(pending)[live], _pending_ids(pending, 1)[live], slots[live])]
+                if bool(live.any()) else [])
         self.ddtree_pending_context = kept
         self.ddtree_pending_rows = int(live.sum())
 
@@ -898,36 +902,43 @@ PROFILE_MAX_TOKENS = 1024  # largest dummy forward of the start-up profile
 PENDING_CONTEXT_ROWS = 8192
 
 
+def _joined_runs(items: list, is_run, join) -> list:
+    """``items`` with every run of consecutive ``is_run`` items joined into one."""
+    out, run = [], []
+    for x in items:
+        if is_run(x):
+            run.append(x)
+            continue
+        if run:
+            out.append(join(run))
+            run = []
+        out.append(x)
+    if run:
+        out.append(join(run))
+    return out
+
+
+def _pending_hidden(pending: list[tuple]) -> torch.Tensor:
+    """The pending rows' hidden states, ``[N, k * H]`` in step order; steps
+    kept as the forward's k outputs are joined per output (one concatenation
+    each, not one per step)."""
+    return torch.cat(_joined_runs(
+        [h for h, _, _ in pending], lambda h: isinstance(h, tuple),
+        lambda run: torch.cat([torch.cat(parts) for parts in zip(*run)], dim=-1)))
+
+
+def _pending_ids(pending: list[tuple], col: int) -> torch.Tensor:
+    """The pending rows' positions (``col`` 1) or slots (2), ``[N]`` in step order."""
+    return torch.cat([torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+                      for x in _joined_runs([p[col] for p in pending],
+                                            lambda x: isinstance(x, np.ndarray),
+                                            np.concatenate)])
+
+
 def _pending_rows(pending: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pending plain-step rows (``DDTreeRunnerMixin.ddtree_pending_context``)
-    as one ``(hidden [N, k * H], positions [N], slots [N])``, in step order.
-    Consecutive steps kept as the forward's k outputs are joined per output
-    first (one concatenation each, not one per step)."""
-
-    def runs(items, joined, is_run):
-        out, run = [], []
-        for x in items:
-            if is_run(x):
-                run.append(x)
-                continue
-            if run:
-                out.append(joined(run))
-                run = []
-            out.append(x)
-        if run:
-            out.append(joined(run))
-        return out
-
-    hidden = runs([h for h, _, _ in pending],
-                  lambda run: torch.cat([torch.cat(parts) for parts in zip(*run)], dim=-1),
-                  lambda h: isinstance(h, tuple))
-
-    def ids(col: int) -> torch.Tensor:
-        return torch.cat([torch.from_numpy(x) if isinstance(x, np.ndarray) else x
-                          for x in runs([p[col] for p in pending], np.concatenate,
-                                        lambda x: isinstance(x, np.ndarray))])
-
-    return torch.cat(hidden), ids(1), ids(2)
+    as one ``(hidden [N, k * H], positions [N], slots [N])``, in step order."""
+    return _pending_hidden(pending), _pending_ids(pending, 1), _pending_ids(pending, 2)
 
 
 def _tuner_overrides() -> dict:

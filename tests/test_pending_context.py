@@ -54,12 +54,32 @@ def test_without_prefix_caching_the_rows_of_freed_blocks_are_dropped():
     assert runner.ddtree_pending_context == [] and runner.ddtree_pending_rows == 0
 
 
-def test_with_prefix_caching_every_pending_row_is_stored():
-    """Cached blocks outlive their request: their drafter context is stored."""
+def test_with_prefix_caching_full_blocks_are_stored_and_partial_ones_dropped():
+    """vLLM caches full blocks only: a finished request's full block (3: its
+    last slot 15 is pending) may be hit later, so its rows are stored now, in
+    step order; its partial block (7) is never cached: dropped. The other
+    requests' rows stay pending."""
+    runner, stored = _runner(prefix_caching=True)
+    runner.ddtree_pending_context[1] = (runner.ddtree_pending_context[1][0],
+                                        runner.ddtree_pending_context[1][1],
+                                        torch.tensor([14, 15, 21, 29]))  # a a b a
+    runner._ddtree_release_pending_context({"a"})
+    (hidden, positions, slots), = stored
+    assert slots.tolist() == [12, 13, 14, 15]
+    assert positions.tolist() == [0, 1, 10, 11] and hidden[:, 0].tolist() == [0, 1, 10, 11]
+    assert runner.ddtree_pending_rows == 4
+    left = torch.cat([s for _, _, s in runner.ddtree_pending_context])
+    assert left.tolist() == [20, 36, 37, 21]  # b, c, c, b; a's 29 dropped
+
+
+def test_with_prefix_caching_a_request_without_full_blocks_stores_nothing():
+    """Neither of a's blocks has its last slot pending (blocks 3 and 7 are
+    partial, or were stored before): nothing to store, a's rows dropped."""
     runner, stored = _runner(prefix_caching=True)
     runner._ddtree_release_pending_context({"a"})
-    assert len(stored) == 1 and stored[0][2].tolist() == [12, 13, 20, 36, 37, 14, 29, 21, 8]
-    assert runner.ddtree_pending_context == [] and runner.ddtree_pending_rows == 0
+    assert stored == []
+    left = torch.cat([s for _, _, s in runner.ddtree_pending_context])
+    assert left.tolist() == [20, 36, 37, 21, 8]
 
 
 def test_a_request_not_in_the_batch_stores_everything():

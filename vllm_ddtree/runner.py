@@ -624,17 +624,17 @@ class DDTreeRunnerMixin:
 
     def _ddtree_release_pending_context(self, req_ids) -> None:
         """Pending context rows of requests that gave their blocks back
-        (``req_ids``, finished or preempted). With prefix caching their full
-        blocks stay in the cache for later requests, which need the drafter
-        context: every pending row is stored now. Without it nothing reads
-        those blocks' drafter context again (a preempted request prefills
-        anew): their rows are dropped, and only the rest stays pending. At
-        high load, where the adaptive budget runs plain, most requests finish
-        without drafting again, and storing their context was most of what a
-        plain-mode round cost over plain decoding."""
-        if self.cache_config.enable_prefix_caching:
-            self._ddtree_store_pending_context()
-            return
+        (``req_ids``, finished or preempted), before this step may hand the
+        blocks to another request. vLLM's prefix cache keeps full blocks
+        only: with it on, the rows of a freed block that is full (its last
+        slot is among them) are stored now, since a later request may hit
+        it. Every other row of a freed block is dropped: nothing reads that
+        drafter context again (a partial block is never cached, a preempted
+        request prefills anew what was not). Other requests' rows stay
+        pending. At high load, where the adaptive budget runs plain, most
+        requests finish without drafting again, and storing the context of
+        their last, partial block (on CPU a block is 128 tokens) was most
+        of what a plain-mode round cost over plain decoding."""
         table = self.input_batch.block_table[self.drafter.kv_cache_gid]
         rows = [self.input_batch.req_id_to_index.get(rid) for rid in req_ids]
         if any(r is None for r in rows) or table.dcp_world_size != 1:
@@ -645,12 +645,20 @@ class DDTreeRunnerMixin:
         freed = torch.from_numpy(blocks.astype(np.int64))
         pending = self.ddtree_pending_context
         slots = _pending_ids(pending, 2)
-        live = ~torch.isin(slots // table.block_size, freed.to(slots.device))
-        if bool(live.all()):
+        size = table.block_size
+        block = slots // size
+        theirs = torch.isin(block, freed.to(slots.device))
+        if not bool(theirs.any()):
             return  # none of theirs: nothing to join or copy
-        kept = ([(_pending_hidden(pending)[live], _pending_ids(pending, 1)[live], slots[live])]
-                if bool(live.any()) else [])
-        self.ddtree_pending_context = kept
+        hidden, positions = _pending_hidden(pending), _pending_ids(pending, 1)
+        if self.cache_config.enable_prefix_caching:
+            full = block[theirs & (slots % size == size - 1)]
+            cached = theirs & torch.isin(block, full)
+            if bool(cached.any()):
+                self.drafter.store_context(hidden[cached], positions[cached], slots[cached])
+        live = ~theirs
+        self.ddtree_pending_context = ([(hidden[live], positions[live], slots[live])]
+                                       if bool(live.any()) else [])
         self.ddtree_pending_rows = int(live.sum())
 
     def _ddtree_store_pending_context(self) -> None:

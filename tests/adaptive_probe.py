@@ -61,3 +61,24 @@ def record_trees_without_context() -> None:
     DDTreeProposer._store_context = no_context
     DDTreeProposer.store_context = lambda self, *args, **kwargs: None
     record_trees()
+
+
+def record_trees_dropping_released_rows() -> None:
+    """:func:`record_trees`, with the pending rows of finished requests
+    dropped even where their blocks stay in the prefix cache (a broken
+    release: a later request that hits those blocks drafts without their
+    drafter context)."""
+    from vllm_ddtree import runner as runner_mod
+
+    real = runner_mod.DDTreeRunnerMixin._ddtree_release_pending_context
+
+    def dropping(self, req_ids):
+        cfg = self.cache_config
+        caching, cfg.enable_prefix_caching = cfg.enable_prefix_caching, False
+        try:
+            real(self, req_ids)
+        finally:
+            cfg.enable_prefix_caching = caching
+
+    runner_mod.DDTreeRunnerMixin._ddtree_release_pending_context = dropping
+    record_trees()

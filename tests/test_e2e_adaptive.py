@@ -7,7 +7,8 @@
   drafter's block skipped) with periodic probes.
 * Plain steps keep the drafter in sync: a tree drafted after plain steps is
   the tree an always-drafting engine proposes at the same position (and a
-  plain mode that drops the drafter's context K/V fails that check).
+  plain mode that drops the drafter's context K/V fails that check), also
+  on prefix-cache hits of blocks a finished request filled in plain mode.
 * The budget metrics agree with vLLM's own spec-decode counters.
 """
 
@@ -177,3 +178,61 @@ def test_missing_context_after_plain_steps_is_detected(always_drafting, tiny_pai
     same, total = _compare_after_plain(trees, reference)
     assert total >= 1
     assert same <= total // 2, "the sync check cannot see a drafter without context"
+
+
+# Two turns with prefix caching: turn 2 sends turn 1's prompt + output, and
+# hits the full blocks whose drafter context plain mode kept pending until
+# the request finished (stored then; the partial last block's rows dropped).
+TURN_BLOCK = 32  # small blocks: the rows pending at a finish complete one
+TWO_TURNS = {"llm": {"enable_prefix_caching": True, "block_size": TURN_BLOCK},
+             "followup": {"suffix": "\n    ",
+                          "sampling": dict(SYNC_SAMPLING, max_tokens=64)}}
+
+
+def _two_turns(tiny_pair, tmp_path, hook, adaptive=True, cost=COST_PLAIN):
+    log = tmp_path / "trees.jsonl"
+    env = dict(IN_PROCESS, **{ENV_LOG: str(log)})
+    if adaptive:
+        env["VLLM_DDTREE_COST_MODEL"] = cost
+    res = _ddtree(tiny_pair, tmp_path, adaptive=adaptive, env=env,
+                  setup=f"tests.adaptive_probe:{hook}", prompts="humaneval:2",
+                  sampling=SYNC_SAMPLING, **TWO_TURNS)
+    trees = _trees(log)
+    start = {tuple(p[:16]): len(p) - 1 for p in res["followup"]["prompts"]}
+    turn2 = {k: t for k, t in trees.items() if k[1] >= start[k[0]]}
+    return res, turn2
+
+
+@pytest.fixture(scope="module")
+def always_drafting_two_turns(tiny_pair, tmp_path_factory):
+    return _two_turns(tiny_pair, tmp_path_factory.mktemp("always2"), "record_trees",
+                      adaptive=False)
+
+
+def test_prefix_hits_after_plain_mode_keep_the_drafter_in_sync(always_drafting_two_turns,
+                                                               tiny_pair, tmp_path):
+    """Turn 2's trees drafted on blocks that turn 1 filled in plain mode are
+    the always-drafting engine's trees at the same positions."""
+    ref_res, reference = always_drafting_two_turns
+    res, turn2 = _two_turns(tiny_pair, tmp_path, "record_trees")
+    assert res["outputs"] == ref_res["outputs"]
+    fu = res["followup"]
+    assert fu["outputs"] == ref_res["followup"]["outputs"], "turn 2 diverged"
+    turn1_lengths = [len(p) - len(o) - len(fu["suffix"])
+                     for p, o in zip(fu["prompts"], res["outputs"])]
+    # the hits reach into blocks of tokens turn 1 generated in plain mode
+    assert all(h > n + TURN_BLOCK for h, n in zip(fu["prefix_cache"]["per_prompt"],
+                                                  turn1_lengths)), fu["prefix_cache"]
+    same, total = _compare_after_plain(turn2, reference)
+    assert total >= 2, f"only {total} turn-2 trees drafted after plain steps"
+    assert same == total, f"{total - same} of {total} turn-2 trees differ"
+
+
+def test_dropped_rows_of_cached_blocks_are_detected(always_drafting_two_turns, tiny_pair,
+                                                   tmp_path):
+    """The check above sees a release that drops the rows of cached blocks."""
+    _, reference = always_drafting_two_turns
+    _, turn2 = _two_turns(tiny_pair, tmp_path, "record_trees_dropping_released_rows")
+    same, total = _compare_after_plain(turn2, reference)
+    assert total >= 2
+    assert same < total, "the sync check cannot see the rows of cached blocks dropped"

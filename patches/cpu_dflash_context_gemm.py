@@ -18,9 +18,10 @@ requests this projection was about a fifth of a round.
 The replacement: the same normalisation, then one oneDNN GEMM per layer and
 per K/V, each writing its ``[num_ctx, kv]`` block straight into the layer-major
 K and V tensors the caller expects (no split copy). The packed weights are
-made once per drafter (and again if its fused weight is replaced). A start-up
-probe checks that vLLM's oneDNN op writes into a given output as the patch
-relies on; where it does not, or vLLM has no oneDNN, or the drafter has no
+made once per drafter (and again if its fused weight is replaced). A probe,
+once per weight dtype, checks that vLLM's oneDNN op writes into a given
+output in that dtype as the patch relies on; where it does not (bf16 on a CPU
+without AVX-512, whose oneDNN has no bf16 matmul), or vLLM has no oneDNN, or the drafter has no
 fused weight (its per-layer projections are then vLLM's own linear layers),
 the stock function runs. It applies to every DFlash drafter on CPU, the DFlash
 chain included.
@@ -45,22 +46,26 @@ def _mm_into(out: torch.Tensor, x: torch.Tensor, handler, bias) -> None:
     torch.ops._C.onednn_mm(out, x, bias, handler.handler_tensor)
 
 
-@functools.lru_cache(maxsize=1)
-def onednn_into_ok() -> bool:
+@functools.lru_cache(maxsize=None)
+def onednn_into_ok(dtype: torch.dtype = torch.float32) -> bool:
     """Whether vLLM's oneDNN GEMM is there and writes ``x @ W.T + b`` into a
-    given contiguous output (probed once on small CPU tensors)."""
+    given contiguous output in ``dtype`` (probed once per dtype on small CPU
+    tensors: oneDNN has no bf16 matmul on CPUs without AVX-512, where the
+    handler cannot be made)."""
     from vllm import _custom_ops as ops
 
     if not getattr(ops, "_supports_onednn", False):
         return False
     try:
         gen = torch.Generator().manual_seed(0)
-        w, x, b = (torch.randn(*shape, generator=gen) for shape in ((24, 16), (5, 16), (24,)))
+        w, x, b = (torch.randn(*shape, generator=gen).to(dtype)
+                   for shape in ((24, 16), (5, 16), (24,)))
         handler = ops.create_onednn_mm(w[8:16].t(), 4)
-        out = torch.full((2, 5, 8), float("nan"))
+        out = torch.full((2, 5, 8), float("nan"), dtype=dtype)
         _mm_into(out[1], x, handler, b[8:16])
-        want = torch.nn.functional.linear(x, w[8:16], b[8:16])
-        return bool(torch.allclose(out[1], want, rtol=1e-4, atol=1e-5)
+        want = torch.nn.functional.linear(x.float(), w[8:16].float(), b[8:16].float())
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        return bool(torch.allclose(out[1].float(), want, rtol=tol, atol=tol * 0.1 + 1e-5)
                     and out[0].isnan().all())
     except (RuntimeError, AttributeError):
         return False
@@ -103,7 +108,8 @@ def _build(original):
     @functools.wraps(original)
     def _project_context_kv(self, context_states, num_ctx, num_layers, num_kv_heads, head_dim):
         weight = getattr(self, "_fused_kv_weight", None)
-        if weight is None or context_states.dim() != 2 or not onednn_into_ok():
+        if (weight is None or context_states.dim() != 2
+                or not onednn_into_ok(weight.dtype)):
             return original(self, context_states, num_ctx, num_layers, num_kv_heads, head_dim)
         kv = num_kv_heads * head_dim
         gemm = getattr(self, "_ddtree_context_gemm", None)

@@ -71,6 +71,23 @@ def test_patched_projection_equals_the_stock_one(bias):
     assert isinstance(model._ddtree_context_gemm, patch_mod.ContextGemm)
 
 
+def test_bf16_drafter_projects_like_the_stock_function_on_any_cpu():
+    """A bf16 drafter: oneDNN where this CPU has a bf16 matmul (AVX-512),
+    else the stock projection; never an error at the first drafting step."""
+    fn = _patched()
+    model = _drafter(bias=True)
+    for name in ("_fused_kv_weight", "_fused_kv_bias", "_hidden_norm_weight"):
+        setattr(model, name, getattr(model, name).to(torch.bfloat16))
+    x = torch.randn(37, HIDDEN, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    k, v = fn(model, x, 37, LAYERS, HEADS, DIM)
+    want_k, want_v = _reference(model, x)
+    for got, want in ((k, want_k), (v, want_v)):
+        assert got.dtype == torch.bfloat16 and got.shape == (LAYERS, 37, HEADS, DIM)
+        assert torch.allclose(got.double(), want, atol=0.05, rtol=0.02)
+    used = isinstance(getattr(model, "_ddtree_context_gemm", None), patch_mod.ContextGemm)
+    assert used == patch_mod.onednn_into_ok(torch.bfloat16)
+
+
 def test_packed_weights_follow_a_replaced_weight():
     """The packed copy is remade when the drafter's fused weight changes (a
     weight reload), never served stale."""

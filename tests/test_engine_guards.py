@@ -137,6 +137,9 @@ def test_fp8_kv_cache_refusals(tiny_pair, tmp_path, monkeypatch):
                                                 r".*divisible by 32.*--kv-cache-dtype auto"):
         _args(target, drafter, kv_cache_dtype="fp8").create_engine_config()
     target64, drafter64 = _head_dim_64(tmp_path, target, drafter)
+    # a CPU with AVX-512, as vLLM sees it (whatever this one has): the
+    # drafter's head size is what is refused
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: True)
     with pytest.raises(DDTreeConfigError, match=r"^kv_cache_dtype:.*drafter \(head size 48\)"):
         _args(target64, drafter, kv_cache_dtype="fp8").create_engine_config()
     # a CPU without AVX-512 or AMX, as vLLM sees it

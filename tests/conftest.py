@@ -22,6 +22,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if "TRITON_INTERPRET" not in os.environ and not os.path.exists("/dev/nvidiactl"):
     os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# Under pytest-xdist (scripts/test.sh) each worker compiles into its own vLLM
+# cache folder: two engines writing one torch.compile artifact at once could
+# hand a reader a half-written file.
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("VLLM_CACHE_ROOT"):
+    os.environ["VLLM_CACHE_ROOT"] = os.path.join(os.environ["VLLM_CACHE_ROOT"],
+                                                 os.environ["PYTEST_XDIST_WORKER"])
+
+
+def _module_rank(items) -> int:
+    marks = {m.name for item in items for m in item.iter_markers()}
+    return 0 if "server" in marks else 1 if "engine" in marks else 2
+
+
+def pytest_collection_modifyitems(config, items):
+    """Server files, then engine files, then the rest (each group in file
+    order): with the files spread over workers (``--dist loadfile``), the long
+    ones start first and the short ones fill the gaps at the end."""
+    by_module: dict[str, list] = {}
+    for item in items:
+        by_module.setdefault(item.nodeid.split("::")[0], []).append(item)
+    ranked = sorted(by_module.values(), key=_module_rank)
+    items[:] = [item for group in ranked for item in group]
 
 
 @pytest.fixture(scope="module")

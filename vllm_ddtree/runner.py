@@ -55,6 +55,7 @@ from vllm_ddtree.core.budget import (AdaptivePolicy, CostModel, PiecewiseLinear,
                                 parse_pinned_cost)
 from vllm_ddtree.core.config import ddtree_runtime
 from vllm_ddtree.gdn import GDNTreeStep, tree_step
+from vllm_ddtree.core.pending_context import PendingContext
 from vllm_ddtree.core.node_history import (chain_parents, keep_nodes, node_depths,
                                       row_index)
 from vllm_ddtree.parallel import TPAgreement
@@ -112,14 +113,15 @@ class DDTreeRunnerMixin:
         # model, under which the model decides alone)
         self.ddtree_tuner: RateTuner | None = None
         self.ddtree_best: dict[int, str] = {}  # bucket -> best arm last logged
-        # Plain steps' tokens whose drafter context K/V is not stored yet:
-        # (hidden states, positions, drafter slots) per step, stored together
-        # when the drafter next runs (plain steps then cost what plain decoding does).
-        # The hidden states are one [n, k * H] tensor, or (CPU) the forward's
-        # own k auxiliary outputs; positions and slots tensors or numpy copies
-        # (_ddtree_plain_step, _pending_rows).
-        self.ddtree_pending_context: list[tuple] = []
-        self.ddtree_pending_rows = 0
+        # Plain steps' tokens whose drafter context K/V is not stored yet,
+        # stored together when the drafter next runs (plain steps then cost
+        # what plain decoding does; core/pending_context.py). The hidden
+        # states are one [n, k * H] tensor per step, or (CPU) the forward's
+        # own k auxiliary outputs; positions and slots tensors or numpy
+        # copies (_ddtree_plain_step). Stored anyway once they hold
+        # ddtree_pending_cap rows (_ddtree_pending_cap).
+        self.ddtree_pending_context = PendingContext()
+        self.ddtree_pending_cap: int | None = None
         # Whether a plain step keeps the forward's auxiliary outputs by
         # reference (None: not known yet; see _ddtree_keeps_outputs)
         self.ddtree_aux_refs: bool | None = None
@@ -568,19 +570,17 @@ class DDTreeRunnerMixin:
         without the rest of the drafting machinery."""
         n = scheduler_output.total_num_scheduled_tokens
         slots = self.input_batch.block_table[self.drafter.kv_cache_gid].slot_mapping.gpu
+        pending = self.ddtree_pending_context
         if self._ddtree_keeps_outputs(aux_hidden_states):
             # no tensor op: a few of them cost as much as the rest of a
             # plain step's bookkeeping (the rows are joined when stored)
-            self.ddtree_pending_context.append((
-                tuple(h if h.shape[0] == n else h[:n] for h in aux_hidden_states),
-                self._ddtree_host(self.positions)[:n].copy(),
-                self._ddtree_host(slots)[:n].copy()))
+            pending.add(tuple(h if h.shape[0] == n else h[:n] for h in aux_hidden_states),
+                        self._ddtree_host(self.positions)[:n].copy(),
+                        self._ddtree_host(slots)[:n].copy())
         else:
-            self.ddtree_pending_context.append((
-                torch.cat([h[:n] for h in aux_hidden_states], dim=-1),
-                self.positions[:n].clone(), slots[:n].clone()))
-        self.ddtree_pending_rows += n
-        if self.ddtree_pending_rows >= PENDING_CONTEXT_ROWS:
+            pending.add(torch.cat([h[:n] for h in aux_hidden_states], dim=-1),
+                        self.positions[:n].clone(), slots[:n].clone())
+        if pending.held_rows >= self._ddtree_pending_cap(aux_hidden_states):
             self._ddtree_store_pending_context()
         self.ddtree_policy.skipped()
         self.ddtree_round = None
@@ -631,10 +631,10 @@ class DDTreeRunnerMixin:
         it. Every other row of a freed block is dropped: nothing reads that
         drafter context again (a partial block is never cached, a preempted
         request prefills anew what was not). Other requests' rows stay
-        pending. At high load, where the adaptive budget runs plain, most
-        requests finish without drafting again, and storing the context of
-        their last, partial block (on CPU a block is 128 tokens) was most
-        of what a plain-mode round cost over plain decoding."""
+        pending, uncopied. At high load, where the adaptive budget runs
+        plain, most requests finish without drafting again, and storing the
+        context of their last, partial block (on CPU a block is 128 tokens)
+        was most of what a plain-mode round cost over plain decoding."""
         table = self.input_batch.block_table[self.drafter.kv_cache_gid]
         rows = [self.input_batch.req_id_to_index.get(rid) for rid in req_ids]
         if any(r is None for r in rows) or table.dcp_world_size != 1:
@@ -642,37 +642,32 @@ class DDTreeRunnerMixin:
             return
         blocks = np.concatenate([table.block_table.np[r, :table.num_blocks_per_row[r]]
                                  for r in rows] + [np.zeros(0, dtype=np.int32)])
-        freed = torch.from_numpy(blocks.astype(np.int64))
-        pending = self.ddtree_pending_context
-        slots = _pending_ids(pending, 2)
-        size = table.block_size
-        block = slots // size
-        theirs = torch.isin(block, freed.to(slots.device))
-        if not bool(theirs.any()):
-            return  # none of theirs: nothing to join or copy
-        hidden, positions = _pending_hidden(pending), _pending_ids(pending, 1)
-        if self.cache_config.enable_prefix_caching:
-            full = block[theirs & (slots % size == size - 1)]
-            cached = theirs & torch.isin(block, full)
-            if bool(cached.any()):
-                self.drafter.store_context(hidden[cached], positions[cached], slots[cached])
-        live = ~theirs
-        self.ddtree_pending_context = ([(hidden[live], positions[live], slots[live])]
-                                       if bool(live.any()) else [])
-        self.ddtree_pending_rows = int(live.sum())
+        stored = self.ddtree_pending_context.release(
+            torch.from_numpy(blocks.astype(np.int64)), table.block_size,
+            keep_full=bool(self.cache_config.enable_prefix_caching))
+        if stored is not None:
+            self.drafter.store_context(*stored)
 
     def _ddtree_store_pending_context(self) -> None:
         """The drafter's context K/V of the tokens of plain steps since it last
-        ran, in one call, in step order (a slot that changed hands between
-        plain steps gets its last owner's values), before anything reads the
-        drafter's cache again."""
-        pending = self.ddtree_pending_context
-        if not pending:
-            return
-        hidden, positions, slots = _pending_rows(pending)
-        pending.clear()
-        self.ddtree_pending_rows = 0
-        self.drafter.store_context(hidden, positions, slots)
+        ran, in one call, in step order, before anything reads the drafter's
+        cache again."""
+        rows = self.ddtree_pending_context.take()
+        if rows is not None:
+            self.drafter.store_context(*rows)
+
+    def _ddtree_pending_cap(self, aux_hidden_states) -> int:
+        """Pending rows held before they are stored anyway: what
+        ``PENDING_CONTEXT_BYTES`` of hidden states hold, at least
+        ``PENDING_CONTEXT_ROWS``. The larger the cap, the more rows die
+        unstored (requests that finish in plain mode drop their partial
+        blocks' rows); the cap bounds memory, and the time the first
+        drafting step after a long plain stretch spends storing them."""
+        if self.ddtree_pending_cap is None:
+            row_bytes = sum(h.shape[-1] * h.element_size() for h in aux_hidden_states)
+            self.ddtree_pending_cap = max(PENDING_CONTEXT_ROWS,
+                                          PENDING_CONTEXT_BYTES // max(row_bytes, 1))
+        return self.ddtree_pending_cap
 
     def _update_states_after_model_execute(self, output_token_ids, scheduler_output):
         if self.ddtree is None or not self.ddtree_gdn_layers:
@@ -906,47 +901,11 @@ class DDTreeRunnerMixin:
 
 
 PROFILE_MAX_TOKENS = 1024  # largest dummy forward of the start-up profile
-# Plain steps' tokens kept for the drafter's context before they are stored anyway.
+# Plain steps' rows kept for the drafter's context before they are stored
+# anyway: as many as this many bytes of hidden states hold (8192 rows of an
+# 8B-class target's three 4096-wide bf16 layers), at least the row count.
+PENDING_CONTEXT_BYTES = 192 << 20
 PENDING_CONTEXT_ROWS = 8192
-
-
-def _joined_runs(items: list, is_run, join) -> list:
-    """``items`` with every run of consecutive ``is_run`` items joined into one."""
-    out, run = [], []
-    for x in items:
-        if is_run(x):
-            run.append(x)
-            continue
-        if run:
-            out.append(join(run))
-            run = []
-        out.append(x)
-    if run:
-        out.append(join(run))
-    return out
-
-
-def _pending_hidden(pending: list[tuple]) -> torch.Tensor:
-    """The pending rows' hidden states, ``[N, k * H]`` in step order; steps
-    kept as the forward's k outputs are joined per output (one concatenation
-    each, not one per step)."""
-    return torch.cat(_joined_runs(
-        [h for h, _, _ in pending], lambda h: isinstance(h, tuple),
-        lambda run: torch.cat([torch.cat(parts) for parts in zip(*run)], dim=-1)))
-
-
-def _pending_ids(pending: list[tuple], col: int) -> torch.Tensor:
-    """The pending rows' positions (``col`` 1) or slots (2), ``[N]`` in step order."""
-    return torch.cat([torch.from_numpy(x) if isinstance(x, np.ndarray) else x
-                      for x in _joined_runs([p[col] for p in pending],
-                                            lambda x: isinstance(x, np.ndarray),
-                                            np.concatenate)])
-
-
-def _pending_rows(pending: list[tuple]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pending plain-step rows (``DDTreeRunnerMixin.ddtree_pending_context``)
-    as one ``(hidden [N, k * H], positions [N], slots [N])``, in step order."""
-    return _pending_hidden(pending), _pending_ids(pending, 1), _pending_ids(pending, 2)
 
 
 def _tuner_overrides() -> dict:

@@ -55,7 +55,6 @@ from vllm_ddtree.core.budget import (AdaptivePolicy, CostModel, PiecewiseLinear,
                                 parse_pinned_cost)
 from vllm_ddtree.core.config import ddtree_runtime
 from vllm_ddtree.gdn import GDNTreeStep, tree_step
-from vllm_ddtree.core.pending_context import PendingContext
 from vllm_ddtree.core.node_history import (chain_parents, keep_nodes, node_depths,
                                       row_index)
 from vllm_ddtree.parallel import TPAgreement
@@ -64,6 +63,7 @@ from vllm_ddtree.node_sampling import (NodeRows, logprobs_of_outputs, min_p_per_
                                        needs_processing, process_nodes)
 from vllm_ddtree.proposer import DDTreeProposer
 from vllm_ddtree.core.compaction import kv_capture
+from vllm_ddtree.core.pending_context import PendingContext
 from vllm_ddtree.core.round import DDTreeSeamError, ProposedTrees, TreeRound, attach_info
 from vllm_ddtree.core.stats import CounterWriter, stats_file
 from vllm_ddtree.core.step_clock import BusyGap

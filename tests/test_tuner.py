@@ -447,6 +447,36 @@ def test_exploring_loses_a_bounded_share_where_tree_steps_cost_many_plain_steps(
             assert rec.arm == "plain", (prev, rec)
 
 
+def test_the_step_back_to_the_incumbent_is_charged_to_exploring():
+    """Under a plain incumbent, the first step after a tree trial still
+    verifies the trees it drafted: a tree step. What it costs over a plain
+    step is exploring's, charged to the budget (capped at the tree arm's own
+    step, so a stall in it is not); the plain trial's rate leaves it out."""
+    def trial(tuner, step_s):  # one trial, to its close
+        arm, closed = tuner.arm(1), tuner.closed
+        while tuner.closed == closed:
+            tuner.observe(1, 3.0 if arm.drafts else 1.0, step_s[arm.name])
+        return arm
+
+    steps = {"plain": 0.01, "fixed2": 0.06}  # the tree at half plain's rate
+    for first_s, charged in ((0.01, 0.0), (0.05, 0.04), (5.0, 0.05)):
+        tuner = RateTuner(2, trial_seconds=0.1, min_steps=4, with_model=False)
+        assert trial(tuner, steps) == Arm("plain")
+        arm = tuner.arm(1)  # the cold start's next arm: a tree
+        assert arm.drafts, arm
+        trial(tuner, steps)
+        credit = tuner._buckets[0].credit
+        assert tuner.arm(1) == Arm("plain")  # back to the incumbent
+        tuner.observe(1, 1.0, first_s)  # its first step: the tree's verification
+        banked = min(credit + tuner.explore_share * first_s, tuner.trial_seconds)
+        assert tuner._buckets[0].credit == pytest.approx(banked - charged), first_s
+        closed = tuner.closed
+        while tuner.closed == closed:
+            tuner.observe(1, 1.0, 0.01)
+        # the plain trial's rate leaves that step out
+        assert tuner.history[-1].arm == "plain" and tuner.history[-1].rate == pytest.approx(100.0)
+
+
 def test_a_busy_spell_under_one_reference_trial_does_not_switch_the_incumbent():
     """A busy machine slows every arm threefold for 0.2-0.6 s now and then, a
     whole trial or two. Comparisons against a reference trial taken in such a

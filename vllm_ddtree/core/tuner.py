@@ -118,7 +118,10 @@ Exploring is paid for, per bucket, from a budget of engine time
     ``explore_share`` (3 %) of the step's seconds, up to ``trial_seconds``
     banked; every trial of an arm other than the incumbent spends what it
     lost against it: its steps' seconds (the uncounted ones too) times
-    ``1 - rate / incumbent``, nothing for an arm at least as fast. While the budget is spent (below
+    ``1 - rate / incumbent``, nothing for an arm at least as fast, and what
+    the incumbent's first step after it cost over the incumbent's own step
+    (that step still verifies what the challenger drafted: under a plain
+    incumbent, a tree step). While the budget is spent (below
     zero) the incumbent runs instead of the next cold-start arm or the arm
     the bound picks (the re-check of a replaced incumbent still runs). So
     the trees tried at a load where a tree step costs twenty plain steps
@@ -240,6 +243,7 @@ class _ArmStats:
     logs: list[float] = field(default_factory=list)  # its latest paired log ratios
     recent: list[float] = field(default_factory=list)  # its latest three trials' rates
     at: float = -math.inf  # engine time when its latest trial ended
+    step: float = 0.0  # typical seconds of a counted step in its latest trial
     admitted: int = 0  # requests admitted (RateTuner.admit) when its latest trial began
     trials: int = 0
     weight: float = 0.0  # discounted number of trials
@@ -375,6 +379,8 @@ class RateTuner:
         bucket.credit = min(bucket.credit + self.explore_share * seconds, self.trial_seconds)
         trial.steps += 1
         trial.elapsed += seconds
+        if trial.steps == 1 and trial.arm.name == bucket.best and bucket.last != bucket.best:
+            self._charge_switch_back(bucket, seconds)
         if trial.steps == 1 or not counted or seconds <= 0 or num_reqs <= 0:
             return
         trial.counted += 1
@@ -425,6 +431,19 @@ class RateTuner:
         self._trial = None
 
     @staticmethod
+    def _charge_switch_back(bucket: _Bucket, seconds: float) -> None:
+        """The incumbent's first step after a challenger's trial still
+        verifies what the challenger drafted (a tree step, where the incumbent
+        is plain): what it costs over the incumbent's own step is exploring's
+        too, charged to the budget (at most a challenger's step: a stall in it
+        is nobody's)."""
+        own = bucket.stats[bucket.best].step
+        other = bucket.stats.get(bucket.last) if bucket.last is not None else None
+        if own <= 0.0 or other is None or other.step <= 0.0:
+            return
+        bucket.credit -= max(0.0, min(seconds, other.step) - own)
+
+    @staticmethod
     def _rate(trial: _Trial) -> float:
         # tokens per request per step over the typical step time: steps
         # stalled by something outside the engine (a busy machine) do not decide
@@ -470,6 +489,7 @@ class RateTuner:
         st = bucket.stats.setdefault(name, _ArmStats())
         st.recent = (st.recent + [rate])[-3:]
         st.at = self._clock
+        st.step = _typical_seconds(trial) / max(trial.counted, 1)
         st.admitted = trial.admitted
         st.trials += 1
         st.weight += 1.0

@@ -196,9 +196,30 @@ def markdown(result: dict) -> str:
     if all("paired_ratio" in cells[c] for c in concs):
         lines.append("| same, per round (median) | " + " | ".join(
             f"{cells[c]['paired_ratio']:.2f}x" for c in concs) + " |")
+    if all("rounds" in cells[c] for c in concs):
+        # how far the rounds spread: the default over the best other arm in
+        # each round, and the best other arm's own fastest round over its
+        # slowest (the machine's noise, with the arm's engine unchanged)
+        spans = [_per_round(cells[c]) for c in concs]
+        lines.append("| same, per round (range) | " + " | ".join(
+            f"{min(r):.2f}-{max(r):.2f}" for r in spans) + " |")
+        lines.append("| best other, fastest / slowest round | " + " | ".join(
+            "{:.2f}x".format(_spread(cells[c]["rounds"][cells[c]["best_other"]]))
+            for c in concs) + " |")
+    if all("paired_ratio" in cells[c] for c in concs):
         lines.append("| default's steps by arm | " + " | ".join(
             _shares(cells[c]["default_arm_steps"]) for c in concs) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _per_round(cell: dict) -> list[float]:
+    """The default over the cell's best other arm, round by round."""
+    rounds = cell["rounds"]
+    return [d / b for d, b in zip(rounds["default"], rounds[cell["best_other"]])]
+
+
+def _spread(values: list[float]) -> float:
+    return max(values) / min(values)
 
 
 def trial_story(result: dict) -> str:
@@ -277,7 +298,8 @@ def main() -> int:
                     help="output tokens per request, at least")
     ap.add_argument("--plot", help="PNG: tokens/s against concurrency per configuration")
     ap.add_argument("--replot", nargs="+", metavar="JSON",
-                    help="draw recorded results instead of measuring")
+                    help="print the tables of recorded results and draw them (--plot) "
+                         "instead of measuring")
     ap.add_argument("--trials", nargs="+", metavar="JSON",
                     help="print the default's tuner trials of recorded results")
     args = ap.parse_args()
@@ -287,7 +309,12 @@ def main() -> int:
             print(trial_story(json.loads(Path(p).read_text())))
         return 0
     if args.replot:
-        plot([json.loads(Path(p).read_text()) for p in args.replot], args.plot)
+        recorded = [json.loads(Path(p).read_text()) for p in args.replot]
+        for res in recorded:
+            print(markdown(res))
+        if args.plot:
+            plot(recorded, args.plot)
+            print(f"wrote {args.plot}")
         return 0
     outdir.mkdir(parents=True, exist_ok=True)
     results = []

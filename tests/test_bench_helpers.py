@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.bench_default import _shares
+from benchmarks.bench_default import _shares, markdown
 from benchmarks.bench_step import paired_step_ratio
 from benchmarks.interleave import _TunerArms
 from vllm_ddtree.core.stats import CounterWriter, stats_file
@@ -27,6 +27,19 @@ def test_shares_of_the_default_steps():
     assert _shares({"plain": 90.0, "fixed4": 6.0, "model": 4.0}) == "plain 90% fixed4 6% model 4%"
     assert _shares({"plain": 999.0, "fixed8": 1.0}) == "plain 100%"  # under 0.5 %: left out
     assert _shares({}) == "-"
+
+
+def test_the_table_shows_how_far_the_rounds_spread():
+    """Per cell: the default over the best other arm in each round (its
+    range), and the best other arm's fastest round over its slowest."""
+    cell = {"tok_s": {"plain": 100.0, "default": 95.0}, "best_other": "plain",
+            "default_over_best": 0.95, "paired_ratio": 0.95,
+            "default_arm_steps": {"plain": 10.0},
+            "rounds": {"plain": [100.0, 80.0, 120.0], "default": [95.0, 88.0, 96.0]}}
+    rows = {line.split(" | ")[0]: line for line in markdown(
+        {"config": "x", "cells": {"1": cell}}).splitlines() if line.startswith("| ")}
+    assert rows["| same, per round (range)"].endswith("| 0.80-1.10 |")
+    assert rows["| best other, fastest / slowest round"].endswith("| 1.50x |")
 
 
 def test_tuner_arm_steps_come_from_the_engine_counters(tmp_path):

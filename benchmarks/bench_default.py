@@ -193,7 +193,8 @@ def markdown(result: dict) -> str:
         lines.append(f"| {a} | " + " | ".join(row) + " |")
     lines.append("| default / best other | " + " | ".join(
         f"{cells[c]['default_over_best']:.2f}x" for c in concs) + " |")
-    if all("paired_ratio" in cells[c] for c in concs):
+    paired = all("paired_ratio" in cells[c] for c in concs)
+    if paired:
         lines.append("| same, per round (median) | " + " | ".join(
             f"{cells[c]['paired_ratio']:.2f}x" for c in concs) + " |")
     if all("rounds" in cells[c] for c in concs):
@@ -201,12 +202,12 @@ def markdown(result: dict) -> str:
         # each round, and the best other arm's own fastest round over its
         # slowest (the machine's noise, with the arm's engine unchanged)
         spans = [_per_round(cells[c]) for c in concs]
+        best = [cells[c]["rounds"][cells[c]["best_other"]] for c in concs]
         lines.append("| same, per round (range) | " + " | ".join(
             f"{min(r):.2f}-{max(r):.2f}" for r in spans) + " |")
         lines.append("| best other, fastest / slowest round | " + " | ".join(
-            "{:.2f}x".format(_spread(cells[c]["rounds"][cells[c]["best_other"]]))
-            for c in concs) + " |")
-    if all("paired_ratio" in cells[c] for c in concs):
+            f"{max(r) / min(r):.2f}x" for r in best) + " |")
+    if paired:
         lines.append("| default's steps by arm | " + " | ".join(
             _shares(cells[c]["default_arm_steps"]) for c in concs) + " |")
     return "\n".join(lines) + "\n"
@@ -216,10 +217,6 @@ def _per_round(cell: dict) -> list[float]:
     """The default over the cell's best other arm, round by round."""
     rounds = cell["rounds"]
     return [d / b for d, b in zip(rounds["default"], rounds[cell["best_other"]])]
-
-
-def _spread(values: list[float]) -> float:
-    return max(values) / min(values)
 
 
 def trial_story(result: dict) -> str:

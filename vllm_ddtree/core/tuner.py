@@ -438,7 +438,7 @@ class RateTuner:
         too, charged to the budget (at most a challenger's step: a stall in it
         is nobody's)."""
         own = bucket.stats[bucket.best].step
-        other = bucket.stats.get(bucket.last) if bucket.last is not None else None
+        other = bucket.stats.get(bucket.last)
         if own <= 0.0 or other is None or other.step <= 0.0:
             return
         bucket.credit -= max(0.0, min(seconds, other.step) - own)

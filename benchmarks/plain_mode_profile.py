@@ -9,10 +9,11 @@ engines of one ``bench_default`` configuration on ``bench_default``'s
 workload at one concurrency: ``--warmup`` batches, then ``--batches``
 measured ones. The default's rate tuner is held at plain, so every step is a
 plain-mode step, and the runner's parts of a plain-mode round are timed:
-the plain steps' bookkeeping, storing the pending drafter context (at the
-cap, or when drafting resumes), settling the rows of requests that finish
-(``_ddtree_release_pending_context``, the store it makes included), the
-drafter's context store itself, and the rows it stored. Prints tokens/s per
+the plain steps' bookkeeping (compacting the pending rows at their cap
+included), storing the pending drafter context (at the cap, or when
+drafting resumes), settling the blocks that change hands at each step
+(``_ddtree_settle_pending_context``), the drafter's context store itself,
+and the rows it stored. Prints tokens/s per
 run and each part's share of the measured time.
 
 A diagnosis (sequential runs, one engine alive at a time), not a verdict:
@@ -32,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("_ddtree_plain_step", "_ddtree_store_pending_context",
-         "_ddtree_release_pending_context")
+         "_ddtree_settle_pending_context")
 
 
 def _timed(cls, name: str, acc: dict) -> None:

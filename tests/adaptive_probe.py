@@ -70,15 +70,15 @@ def record_trees_dropping_released_rows() -> None:
     drafter context)."""
     from vllm_ddtree import runner as runner_mod
 
-    real = runner_mod.DDTreeRunnerMixin._ddtree_release_pending_context
+    real = runner_mod.DDTreeRunnerMixin._ddtree_settle_pending_context
 
-    def dropping(self, req_ids):
+    def dropping(self, scheduler_output):
         cfg = self.cache_config
         caching, cfg.enable_prefix_caching = cfg.enable_prefix_caching, False
         try:
-            real(self, req_ids)
+            real(self, scheduler_output)
         finally:
             cfg.enable_prefix_caching = caching
 
-    runner_mod.DDTreeRunnerMixin._ddtree_release_pending_context = dropping
+    runner_mod.DDTreeRunnerMixin._ddtree_settle_pending_context = dropping
     record_trees()

@@ -1,5 +1,6 @@
-"""Plain mode's pending drafter context when requests give their blocks back
-(``DDTreeRunnerMixin._ddtree_release_pending_context``)."""
+"""Plain mode's pending drafter context: which rows stay live when blocks
+change hands (``DDTreeRunnerMixin._ddtree_settle_pending_context``,
+``core/pending_context.py``), and how they are joined and stored."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import pytest
 import torch
 
 BLOCK = 4
+GID = 1  # the drafter's KV-cache group; group 0 stands for another (a GDN group)
 
 
-def _runner(prefix_caching: bool):
+def _runner(prefix_caching: bool, kv_transfer=None):
     pytest.importorskip("vllm")
     from vllm_ddtree.runner import DDTreeRunnerMixin
 
@@ -22,11 +24,14 @@ def _runner(prefix_caching: bool):
                             block_table=SimpleNamespace(np=np.array([[3, 7, 0], [5, 0, 0],
                                                                      [9, 2, 0]], np.int32)),
                             num_blocks_per_row=np.array([2, 1, 2], np.int32))
-    runner.input_batch = SimpleNamespace(block_table={1: table},
-                                         req_id_to_index={"a": 0, "b": 1, "c": 2})
+    # tokens per request, the last sampled one included (its K/V not computed yet)
+    runner.input_batch = SimpleNamespace(block_table={GID: table},
+                                         req_id_to_index={"a": 0, "b": 1, "c": 2},
+                                         num_tokens_no_spec=np.array([7, 3, 6]))
     runner.drafter = SimpleNamespace(
-        kv_cache_gid=1, store_context=lambda h, p, s: stored.append((h, p, s)))
+        kv_cache_gid=GID, store_context=lambda h, p, s: stored.append((h, p, s)))
     runner.cache_config = SimpleNamespace(enable_prefix_caching=prefix_caching)
+    runner.vllm_config = SimpleNamespace(kv_transfer_config=kv_transfer)
     # two plain steps' rows: slots of requests a (blocks 3, 7), b (5) and c (9, 2)
     step1 = torch.tensor([12, 13, 20, 36, 37])  # a a b c c
     step2 = torch.tensor([14, 29, 21, 8])  # a a b c
@@ -39,65 +44,118 @@ def _runner(prefix_caching: bool):
 def _pending(steps):
     from vllm_ddtree.core.pending_context import PendingContext
 
-    pending = PendingContext()
+    pending = PendingContext(BLOCK)
     for step in steps:
+        pending.tick()
         pending.add(*step)
     return pending
 
 
-def _left(runner, col: int) -> list:
-    """The rows still pending, column ``col`` (0 hidden, 1 positions, 2 slots)."""
-    from vllm_ddtree.core.pending_context import joined_rows
+def _step(runner, new=(), cached=(), finished=(), preempted=()):
+    """One engine step's start: the clock ticks, then the runner settles the
+    blocks that change hands. ``new``: (block ids per group, computed
+    tokens) per new request; ``cached``: (req id, block ids per group,
+    computed tokens, resumed) per scheduled running request."""
+    so = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(block_ids=b, num_computed_tokens=n) for b, n in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[c[0] for c in cached], new_block_ids=[c[1] for c in cached],
+            num_computed_tokens=[c[2] for c in cached],
+            resumed_req_ids={c[0] for c in cached if c[3]}),
+        finished_req_ids=set(finished), preempted_req_ids=set(preempted))
+    runner.ddtree_pending_context.tick()
+    runner._ddtree_settle_pending_context(so)
 
-    return joined_rows(runner.ddtree_pending_context.steps)[col]
 
-
-def test_without_prefix_caching_the_rows_of_freed_blocks_are_dropped():
-    """Rows of the requests that finished (a) or were preempted (c) are
-    dropped, the rest stays pending, in step order, nothing is stored."""
-    runner, stored = _runner(prefix_caching=False)
-    runner._ddtree_release_pending_context({"a", "c"})
-    assert stored == []
-    pending = runner.ddtree_pending_context
-    # both steps keep one live row each: their memory stays held
-    assert pending.live_rows == 2 and pending.held_rows == 9
-    assert _left(runner, 2).tolist() == [20, 21]  # b's rows only
-    assert _left(runner, 1).tolist() == [2, 12] and _left(runner, 0)[:, 0].tolist() == [2, 12]
+def _stored_slots(runner, stored) -> list[int]:
     runner._ddtree_store_pending_context()
-    assert [s.tolist() for _, _, s in stored] == [[20, 21]]
-    assert not pending and pending.held_rows == pending.live_rows == 0
+    assert not runner.ddtree_pending_context and runner.ddtree_pending_context.held_rows == 0
+    return [x for _, _, s in stored for x in s.tolist()]
 
 
-def test_with_prefix_caching_full_blocks_are_stored_and_partial_ones_dropped():
-    """vLLM caches full blocks only: a finished request's full block (3: its
-    last slot 15 is pending) may be hit later, so its rows are stored now, in
-    step order; its partial block (7) is never cached: dropped. The other
-    requests' rows stay pending."""
-    runner, stored = _runner(prefix_caching=True)
-    steps = runner.ddtree_pending_context.steps
-    steps[1] = steps[1]._replace(slots=torch.tensor([14, 15, 21, 29]))  # a a b a
-    runner._ddtree_release_pending_context({"a"})
-    (hidden, positions, slots), = stored
-    assert slots.tolist() == [12, 13, 14, 15]
-    assert positions.tolist() == [0, 1, 10, 11] and hidden[:, 0].tolist() == [0, 1, 10, 11]
-    assert runner.ddtree_pending_context.live_rows == 4
-    assert _left(runner, 2).tolist() == [20, 36, 37, 21]  # b, c, c, b; a's 29 dropped
-
-
-def test_with_prefix_caching_a_request_without_full_blocks_stores_nothing():
-    """Neither of a's blocks has its last slot pending (blocks 3 and 7 are
-    partial, or were stored before): nothing to store, a's rows dropped."""
-    runner, stored = _runner(prefix_caching=True)
-    runner._ddtree_release_pending_context({"a"})
-    assert stored == []
-    assert _left(runner, 2).tolist() == [20, 36, 37, 21, 8]
-
-
-def test_a_request_not_in_the_batch_stores_everything():
-    """Blocks it cannot see (a request not in the batch) are not guessed."""
+def test_without_prefix_caching_the_rows_of_freed_blocks_die():
+    """Rows of the requests that finished (a) or were preempted (c) die; the
+    rest is stored, in step order, when drafting resumes. Settling copies
+    nothing: the steps stay as they were."""
     runner, stored = _runner(prefix_caching=False)
-    runner._ddtree_release_pending_context({"a", "gone"})
-    assert len(stored) == 1 and stored[0][2].numel() == 9
+    before = list(runner.ddtree_pending_context.steps)
+    _step(runner, finished={"a"}, preempted={"c"})
+    assert stored == [] and runner.ddtree_pending_context.steps == before
+    assert runner.ddtree_pending_context.held_rows == 9
+    runner._ddtree_store_pending_context()
+    (hidden, positions, slots), = stored
+    assert slots.tolist() == [20, 21] and positions.tolist() == [2, 12]
+    assert hidden[:, 0].tolist() == [2, 12]
+
+
+def test_with_prefix_caching_full_blocks_keep_their_rows_and_partial_ones_die():
+    """vLLM caches full blocks only: a finished request's full block (3: a
+    had 6 tokens with K/V, block size 4) may be hit later, so its rows stay
+    pending; its partial block (7) is never cached: its rows die."""
+    runner, stored = _runner(prefix_caching=True)
+    _step(runner, finished={"a"})
+    assert _stored_slots(runner, stored) == [12, 13, 20, 36, 37, 14, 21, 8]
+
+
+def test_a_block_handed_out_again_drops_its_rows_in_every_group():
+    """A freed full block the cache hands to a new request fresh, in the
+    drafter's group (past the request's computed tokens) or in another
+    group sharing the memory (a GDN state block), must not get the old
+    rows: on a hybrid they would overwrite that state."""
+    for group, blocks in ((GID, ([], [4, 3])), (0, ([3], []))):
+        runner, stored = _runner(prefix_caching=True)
+        _step(runner, finished={"a"})  # block 3 cached, its rows 12, 13, 14 pending
+        _step(runner, new=[(blocks, 4)])  # hands out 3 fresh (in the drafter's group: 4 is the hit)
+        assert _stored_slots(runner, stored) == [20, 36, 37, 21, 8], group
+
+
+def test_a_prefix_hit_keeps_the_rows_of_the_block_it_hits():
+    """A new request that hits the cached block 3 (its first 4 tokens
+    computed) reads its drafter context: the rows stay and are stored."""
+    runner, stored = _runner(prefix_caching=True)
+    _step(runner, finished={"a"})
+    _step(runner, new=[(([11], [3, 6]), 4)])
+    assert _stored_slots(runner, stored) == [12, 13, 20, 36, 37, 14, 21, 8]
+
+
+def test_blocks_appended_to_running_requests_and_resumed_ones():
+    """A running request's new blocks are fresh; a resumed request's first
+    blocks up to its computed tokens are hits."""
+    runner, stored = _runner(prefix_caching=True)
+    _step(runner, preempted={"c"}, cached=[("b", ([], [7]), 3, False)])  # 7: a's, fresh for b
+    # c's blocks 9, 2 (5 tokens with K/V): 9 full and cached, 2 partial
+    assert _stored_slots(runner, stored) == [12, 13, 20, 36, 37, 14, 21]
+    runner, stored = _runner(prefix_caching=True)
+    _step(runner, preempted={"c"})
+    _step(runner, cached=[("c", ([], [9, 12]), 4, True)])  # resumed: hits 9, 12 fresh
+    assert _stored_slots(runner, stored) == [12, 13, 20, 36, 37, 14, 29, 21]
+    runner, stored = _runner(prefix_caching=True)
+    _step(runner, preempted={"c"})
+    _step(runner, cached=[("c", ([], [9, 12]), 0, True)])  # resumed without a hit
+    assert _stored_slots(runner, stored) == [12, 13, 20, 14, 29, 21]
+
+
+def test_with_a_kv_connector_no_block_is_taken_as_a_hit():
+    """Tokens loaded by a KV connector count as computed, but their blocks
+    are fresh: their old rows die."""
+    runner, stored = _runner(prefix_caching=True, kv_transfer=object())
+    _step(runner, finished={"a"})
+    _step(runner, new=[(([], [3]), 4)])
+    assert _stored_slots(runner, stored) == [20, 36, 37, 21, 8]
+
+
+def test_a_request_not_in_the_batch_and_an_idle_step_change_nothing():
+    runner, stored = _runner(prefix_caching=False)
+    _step(runner, finished={"gone"})
+    _step(runner)
+    assert _stored_slots(runner, stored) == [12, 13, 20, 36, 37, 14, 29, 21, 8]
+
+
+def test_nothing_live_stores_nothing():
+    runner, stored = _runner(prefix_caching=False)
+    _step(runner, finished={"a", "b", "c"})
+    runner._ddtree_store_pending_context()
+    assert stored == [] and not runner.ddtree_pending_context
 
 
 def _as_outputs(hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor):
@@ -125,16 +183,65 @@ def test_rows_kept_as_the_forwards_outputs_join_in_step_order():
     assert hidden.shape == (13, 6) and positions.dtype == slots.dtype == torch.int64
 
 
-def test_freed_rows_are_dropped_from_rows_kept_by_reference():
+def test_rows_kept_by_reference_die_and_join_like_copied_ones():
     runner, stored = _runner(prefix_caching=False)
     runner.ddtree_pending_context = _pending(
         [_as_outputs(*step[:3]) for step in runner.ddtree_pending_context.steps])
-    runner._ddtree_release_pending_context({"a", "c"})
-    assert runner.ddtree_pending_context.live_rows == 2
+    _step(runner, finished={"a"}, preempted={"c"})
     runner._ddtree_store_pending_context()
     (hidden, positions, slots), = stored
     assert slots.tolist() == [20, 21] and positions.tolist() == [2, 12]
     assert hidden[:, 0].tolist() == [2.0, 12.0] and hidden.shape == (2, 6)
+
+
+def test_compacting_lets_the_dead_rows_go_and_later_renewals_still_apply():
+    """The live rows become one step made now (they are live now); a block
+    renewed afterwards kills its compacted rows as it would have the
+    originals; rows added after keep step order."""
+    runner, stored = _runner(prefix_caching=False)
+    pending = runner.ddtree_pending_context
+    _step(runner, finished={"a"})
+    pending.compact()
+    assert len(pending.steps) == 1 and pending.held_rows == 5
+    assert pending.steps[0].slots.tolist() == [20, 36, 37, 21, 8]
+    _step(runner, new=[(([9], []), 0)])  # c's block 9 handed out (c preempted, say)
+    pending.add(tuple(torch.full((1, 2), -1.0) for _ in range(3)), np.array([99]),
+                np.array([44]))
+    hidden, _, slots = pending.take()
+    assert slots.tolist() == [20, 21, 8, 44] and hidden[:, 0].tolist() == [2, 12, 13, -1]
+    assert pending.take() is None
+
+
+def test_many_steps_are_compacted_into_one():
+    """Every MAX_STEPS steps the live rows become one step (joining costs
+    per step; at one request a plain step adds one row)."""
+    from vllm_ddtree.core.pending_context import MAX_STEPS, PendingContext
+
+    pending = PendingContext(BLOCK)
+    for t in range(MAX_STEPS):  # one row a step, slots t
+        pending.tick()
+        pending.add(tuple(torch.full((1, 2), float(t)) for _ in range(3)),
+                    np.array([t]), np.array([t]))
+    pending.tick()
+    pending.renew([0])  # slots 0..3
+    extra = list(range(1000, 1005))  # the first compacts: MAX_STEPS - 4 rows, then 5 steps
+    for t in extra:
+        pending.add(tuple(torch.full((1, 2), -float(t)) for _ in range(3)), np.array([t]),
+                    np.array([t]))
+    assert len(pending.steps) == 1 + len(extra) and pending.held_rows == MAX_STEPS + 1
+    hidden, positions, slots = pending.take()
+    assert slots.tolist() == list(range(4, MAX_STEPS)) + extra
+    assert hidden[:, 0].tolist() == list(range(4, MAX_STEPS)) + [-t for t in extra]
+    assert hidden.shape[1] == 6 and positions.tolist() == slots.tolist()
+
+
+def test_rows_without_a_block_size_are_refused():
+    from vllm_ddtree.core.pending_context import PendingContext
+
+    pending = PendingContext()
+    pending.add(torch.zeros(1, 2), np.array([0]), np.array([0]))
+    with pytest.raises(RuntimeError, match="block_size"):
+        pending.take()
 
 
 def test_outputs_are_kept_by_reference_only_when_the_forward_returns_new_tensors():
@@ -158,54 +265,6 @@ def test_outputs_are_kept_by_reference_only_when_the_forward_returns_new_tensors
     assert runner("meta")._ddtree_keeps_outputs([torch.zeros(2, 4)]) is False
 
 
-def test_rows_of_other_requests_stay_as_they_were():
-    """Requests without pending rows gave their blocks back: nothing is joined or copied."""
-    runner, stored = _runner(prefix_caching=False)
-    runner.ddtree_pending_context = _pending(
-        [_as_outputs(*step[:3]) for step in runner.ddtree_pending_context.steps])
-    before = list(runner.ddtree_pending_context.steps)
-    runner.input_batch.block_table[1].block_table.np[1] = [11, 0, 0]  # b now owns block 11 only
-    runner._ddtree_release_pending_context({"b"})
-    assert runner.ddtree_pending_context.steps == before
-    assert runner.ddtree_pending_context.live_rows == 9
-    assert stored == []
-
-
-def test_rows_left_pending_are_not_copied_and_settle_again():
-    """A release marks the freed rows dead in place: the survivors' tensors
-    are the same memory (a copy of every pending row per finished request
-    cost more than the rows stored). A second release on the marked steps
-    settles only live rows, and what is stored at the end is in step order."""
-    runner, stored = _runner(prefix_caching=True)
-    runner.ddtree_pending_context = _pending(
-        [_as_outputs(*step[:3]) for step in runner.ddtree_pending_context.steps])
-    outputs = [step.hidden for step in runner.ddtree_pending_context.steps]
-    runner._ddtree_release_pending_context({"a"})  # no full block of a's pending: none stored
-    steps = runner.ddtree_pending_context.steps
-    assert stored == [] and [s.hidden for s in steps] == outputs
-    assert all(a.data_ptr() == b.data_ptr() for s, o in zip(steps, outputs)
-               for a, b in zip(s.hidden, o))
-    assert steps[0].live.tolist() == [False, False, True, True, True]
-    # c's block 9 (slots 36..39) is not full; block 2 (8..11) neither: dropped
-    runner._ddtree_release_pending_context({"c"})
-    assert stored == [] and runner.ddtree_pending_context.live_rows == 2
-    assert runner.ddtree_pending_context.held_rows == 9
-    runner._ddtree_store_pending_context()
-    (hidden, positions, slots), = stored
-    assert slots.tolist() == [20, 21] and positions.tolist() == [2, 12]
-    assert hidden.tolist() == [[2.0] * 6, [12.0] * 6]
-
-
-def test_a_step_without_live_rows_is_let_go():
-    """Held memory counts a step's dead rows until none of its rows is live."""
-    runner, _ = _runner(prefix_caching=False)
-    runner._ddtree_release_pending_context({"a", "b"})
-    pending = runner.ddtree_pending_context
-    assert pending.live_rows == 3 and pending.held_rows == 9  # c's 36, 37 and 8
-    runner._ddtree_release_pending_context({"c"})
-    assert not pending and pending.held_rows == pending.live_rows == 0
-
-
 @pytest.mark.parametrize("widths, dtype, rows", [
     ((192, 192, 192), torch.float32, (192 << 20) // (3 * 192 * 4)),  # the tiny pair
     ((4096, 4096, 4096), torch.bfloat16, 8192),  # an 8B-class target
@@ -218,29 +277,3 @@ def test_pending_rows_are_capped_by_their_memory(widths, dtype, rows):
     runner = object.__new__(type("R", (DDTreeRunnerMixin,), {}))
     runner.ddtree_pending_cap = None
     assert runner._ddtree_pending_cap([torch.zeros(1, w, dtype=dtype) for w in widths]) == rows
-
-
-def test_many_steps_are_joined_into_one_without_their_dead_rows():
-    """Every MAX_STEPS steps the live rows become one step (a release costs
-    per step; at one request a plain step adds one row); the rows, their
-    order and what a later release settles stay the same."""
-    from vllm_ddtree.core.pending_context import MAX_STEPS, PendingContext
-
-    pending = PendingContext()
-    for t in range(MAX_STEPS):  # one row a step, slots t; block size 4
-        pending.add(tuple(torch.full((1, 2), float(t)) for _ in range(3)),
-                    np.array([t]), np.array([t]))
-    assert pending.release(torch.tensor([0]), BLOCK, keep_full=False) is None  # slots 0..3
-    assert pending.held_rows == MAX_STEPS - 4 and len(pending.steps) == MAX_STEPS - 4
-    extra = list(range(1000, 1005))  # 4 fill MAX_STEPS again, the 5th joins
-    for t in extra:
-        assert len(pending.steps) == MAX_STEPS - 4 + (t - 1000)
-        pending.add(tuple(torch.full((1, 2), -float(t)) for _ in range(3)), np.array([t]),
-                    np.array([t]))
-    assert len(pending.steps) == 2 and pending.held_rows == pending.live_rows == MAX_STEPS + 1
-    stored = pending.release(torch.tensor([1]), BLOCK, keep_full=True)  # slots 4..7: full
-    assert stored[2].tolist() == [4, 5, 6, 7] and stored[0][:, 0].tolist() == [4, 5, 6, 7]
-    hidden, positions, slots = pending.take()
-    assert slots.tolist() == list(range(8, MAX_STEPS)) + extra
-    assert hidden[:, 0].tolist() == list(range(8, MAX_STEPS)) + [-t for t in extra]
-    assert hidden.shape[1] == 6 and positions.tolist() == slots.tolist()

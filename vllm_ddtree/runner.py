@@ -192,17 +192,13 @@ class DDTreeRunnerMixin:
     # ------------------------------------------------------------------ the round
     def execute_model(self, scheduler_output, *args, **kwargs):
         _release_gemm_handles()
-        if self.ddtree is not None and self.ddtree_pending_context and (
-                scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids):
-            # Requests that finished or were preempted gave their blocks back,
-            # and this step's requests may own them now: their pending context
-            # rows must not be stored after anything of this step writes a
-            # block (the KV cache groups share memory, so a finished request's
-            # drafter rows stored later would land in, say, a new request's GDN
-            # state).
-            self._ddtree_release_pending_context(
-                set(scheduler_output.finished_req_ids)
-                | set(scheduler_output.preempted_req_ids or ()))
+        if self.ddtree is not None:
+            pending = self.ddtree_pending_context
+            pending.tick()
+            if pending:
+                # Blocks that change hands at this step, before anything of
+                # it writes one: pending rows in them are dead from now on.
+                self._ddtree_settle_pending_context(scheduler_output)
         if self.ddtree is not None and self.ddtree.adaptive:
             self._ddtree_step_clock(scheduler_output)
         return super().execute_model(scheduler_output, *args, **kwargs)
@@ -571,6 +567,8 @@ class DDTreeRunnerMixin:
         n = scheduler_output.total_num_scheduled_tokens
         slots = self.input_batch.block_table[self.drafter.kv_cache_gid].slot_mapping.gpu
         pending = self.ddtree_pending_context
+        if not pending.block_size:
+            pending.block_size = self.input_batch.block_table[self.drafter.kv_cache_gid].block_size
         if self._ddtree_keeps_outputs(aux_hidden_states):
             # no tensor op: a few of them cost as much as the rest of a
             # plain step's bookkeeping (the rows are joined when stored)
@@ -580,8 +578,11 @@ class DDTreeRunnerMixin:
         else:
             pending.add(torch.cat([h[:n] for h in aux_hidden_states], dim=-1),
                         self.positions[:n].clone(), slots[:n].clone())
-        if pending.held_rows >= self._ddtree_pending_cap(aux_hidden_states):
-            self._ddtree_store_pending_context()
+        cap = self._ddtree_pending_cap(aux_hidden_states)
+        if pending.held_rows >= cap:
+            pending.compact()  # the dead rows let go; stored once the live ones fill half
+            if pending.held_rows >= cap // 2:
+                self._ddtree_store_pending_context()
         self.ddtree_policy.skipped()
         self.ddtree_round = None
         self.ddtree_trees = None
@@ -622,31 +623,60 @@ class DDTreeRunnerMixin:
             view = self.ddtree_host_views[id(t)] = (t, t.numpy())
         return view[1]
 
-    def _ddtree_release_pending_context(self, req_ids) -> None:
-        """Pending context rows of requests that gave their blocks back
-        (``req_ids``, finished or preempted), before this step may hand the
-        blocks to another request. vLLM's prefix cache keeps full blocks
-        only: with it on, the rows of a freed block that is full (its last
-        slot is among them) are stored now, since a later request may hit
-        it. Every other row of a freed block is dropped: nothing reads that
-        drafter context again (a partial block is never cached, a preempted
-        request prefills anew what was not). Other requests' rows stay
-        pending, uncopied. At high load, where the adaptive budget runs
-        plain, most requests finish without drafting again, and storing the
-        context of their last, partial block (on CPU a block is 128 tokens)
-        was most of what a plain-mode round cost over plain decoding."""
-        table = self.input_batch.block_table[self.drafter.kv_cache_gid]
-        rows = [self.input_batch.req_id_to_index.get(rid) for rid in req_ids]
-        if any(r is None for r in rows) or table.dcp_world_size != 1:
-            self._ddtree_store_pending_context()  # blocks not known here: the safe way
+    def _ddtree_settle_pending_context(self, scheduler_output) -> None:
+        """Renew (``PendingContext.renew``) the blocks that change hands at
+        this step: the blocks the scheduler hands out fresh (to a new or
+        resumed request, or appended to a running one; in every KV-cache
+        group, since on a hybrid target the groups share one memory pool and
+        a drafter row stored into a block that became a Gated DeltaNet state
+        block would overwrite that state), and the blocks that finished or
+        preempted requests gave back whose drafter context nobody reads
+        again: all of them without prefix caching, else those past the
+        request's full ones (vLLM caches full blocks only; a later request
+        may hit one and read its drafter context, which its pending rows
+        still hold). A block a new request hits in the drafter's group keeps
+        its rows. At high load, where the adaptive budget runs plain, most
+        requests finish without drafting again, and storing their context
+        was most of what plain mode cost over plain decoding; this costs the
+        blocks that change hands, not the rows pending."""
+        gid = self.drafter.kv_cache_gid
+        table = self.input_batch.block_table[gid]
+        if table.dcp_world_size != 1:  # blocks split across ranks: the safe way
+            self._ddtree_store_pending_context()
             return
-        blocks = np.concatenate([table.block_table.np[r, :table.num_blocks_per_row[r]]
-                                 for r in rows] + [np.zeros(0, dtype=np.int32)])
-        stored = self.ddtree_pending_context.release(
-            torch.from_numpy(blocks.astype(np.int64)), table.block_size,
-            keep_full=bool(self.cache_config.enable_prefix_caching))
-        if stored is not None:
-            self.drafter.store_context(*stored)
+        # Blocks a request starts with up to its computed tokens are hits
+        # (with a KV connector, tokens loaded from outside count as computed
+        # but their blocks are fresh: none taken as hits then).
+        hits = (bool(self.cache_config.enable_prefix_caching)
+                and self.vllm_config.kv_transfer_config is None)
+        size = table.block_size
+        renewed = []
+
+        def handed_out(block_ids, computed: int) -> None:
+            for g, ids in enumerate(block_ids):
+                renewed.append(ids[computed // size:] if hits and g == gid else ids)
+
+        for req in scheduler_output.scheduled_new_reqs:
+            handed_out(req.block_ids, req.num_computed_tokens)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
+        for i, block_ids in enumerate(cached.new_block_ids):
+            if block_ids is not None:  # appended blocks are fresh; a resumed request's may hit
+                handed_out(block_ids, cached.num_computed_tokens[i]
+                           if cached.req_ids[i] in resumed else 0)
+        batch = self.input_batch
+        for rid in set(scheduler_output.finished_req_ids) | set(
+                scheduler_output.preempted_req_ids or ()):
+            row = batch.req_id_to_index.get(rid)
+            if row is None:  # left the batch before: settled then
+                continue
+            ids = table.block_table.np[row, :table.num_blocks_per_row[row]]
+            # every token but the last sampled one has its K/V computed
+            full = max(int(batch.num_tokens_no_spec[row]) - 1, 0) // size if hits else 0
+            renewed.append(ids[full:])
+        if renewed:
+            self.ddtree_pending_context.renew(np.concatenate(
+                [np.asarray(ids, dtype=np.int64) for ids in renewed]))
 
     def _ddtree_store_pending_context(self) -> None:
         """The drafter's context K/V of the tokens of plain steps since it last
@@ -657,12 +687,13 @@ class DDTreeRunnerMixin:
             self.drafter.store_context(*rows)
 
     def _ddtree_pending_cap(self, aux_hidden_states) -> int:
-        """Pending rows held before they are stored anyway: what
-        ``PENDING_CONTEXT_BYTES`` of hidden states hold, at least
+        """Pending rows held (dead ones included) before the dead ones are
+        let go, and the live ones stored if they still fill half of it:
+        what ``PENDING_CONTEXT_BYTES`` of hidden states hold, at least
         ``PENDING_CONTEXT_ROWS``. The larger the cap, the more rows die
-        unstored (requests that finish in plain mode drop their partial
-        blocks' rows); the cap bounds memory, and the time the first
-        drafting step after a long plain stretch spends storing them."""
+        unstored (those of blocks that change hands first); the cap bounds
+        memory, and the time the first drafting step after a long plain
+        stretch spends storing them."""
         if self.ddtree_pending_cap is None:
             row_bytes = sum(h.shape[-1] * h.element_size() for h in aux_hidden_states)
             self.ddtree_pending_cap = max(PENDING_CONTEXT_ROWS,

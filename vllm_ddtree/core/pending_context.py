@@ -7,22 +7,32 @@ that K/V on every plain step would make plain steps cost more than plain
 decoding, so the rows are kept (:class:`PendingContext`) and stored in one
 batched call when drafting resumes (:meth:`PendingContext.take`).
 
-Requests that finish or are preempted give their blocks back, and another
-request may own them from the next step on, so their rows are settled
-first (:meth:`PendingContext.release`): rows of a block the prefix cache may
-hand out again (a full block, with prefix caching on) are returned for
-storing now; every other row of theirs is dropped, since nothing reads that
-context again. Releasing marks rows dead in place: the rows still pending
-are never copied, so a release costs the rows it stores, not every pending
-row (at high load a request finishes on almost every step).
+A row may be stored only into a block that has not changed hands since the
+row was made. Requests that finish or are preempted give their blocks
+back, and the scheduler may hand a block to another request (or, on a
+hybrid target, to another KV-cache group sharing its memory: a Gated
+DeltaNet state block) from the next step on. So the context keeps a clock
+of steps (:meth:`PendingContext.tick`, once per engine step) and, per
+block, the step at which it last changed hands (:meth:`PendingContext.renew`:
+every block the scheduler hands out fresh, and every freed block whose rows
+nobody reads again). A row is live while its block was not renewed after
+the step that made it; only live rows are stored, the others are dropped
+when the rows are next joined. Settling a finished request therefore costs
+the blocks it frees, not the rows pending: at high load a request finishes
+on almost every step.
+
+A freed block the prefix cache keeps (a full block, with prefix caching on)
+is not renewed: a later request may hit it, and then reads its drafter
+context, which its rows still hold. They are stored when drafting resumes,
+or dropped unstored if the cache hands the block to someone else first.
 
 A step's rows are one ``[n, k * H]`` tensor, or (CPU) the forward's own
 ``k`` auxiliary outputs ``[n, H]`` each, kept by reference; positions and
 slots are tensors or numpy arrays. Memory is what the rows hold, dead rows
-of a step included until all of its rows are settled or the steps are
-joined (every ``MAX_STEPS`` steps, which also keeps a release's per-step
-work bounded); :attr:`PendingContext.held_rows` counts it, and the caller
-stores everything once that passes its cap.
+included until the steps are compacted (:meth:`PendingContext.compact`:
+their live rows joined into one step, by the caller once
+:attr:`PendingContext.held_rows` passes its cap, and every ``MAX_STEPS``
+steps, which keeps the per-step work of a join bounded).
 
 Imports nothing from vLLM.
 """
@@ -41,119 +51,131 @@ MAX_STEPS = 256
 
 
 class PendingStep(NamedTuple):
-    """One plain step's rows; ``live`` marks those still pending (None: all)."""
+    """One plain step's rows, made at step ``epoch`` of the context's clock."""
     hidden: torch.Tensor | tuple[torch.Tensor, ...]
     positions: torch.Tensor | np.ndarray
     slots: torch.Tensor | np.ndarray
-    live: torch.Tensor | None = None
+    epoch: int = 0
 
 
 class PendingContext:
-    def __init__(self) -> None:
+    def __init__(self, block_size: int = 0) -> None:
+        # the drafter's KV-cache block size (slot // block_size is a block);
+        # set before the first row is added
+        self.block_size = block_size
         self.steps: list[PendingStep] = []
         self.held_rows = 0  # rows whose memory is held, dead ones included
-        self.live_rows = 0
+        self.now = 0  # the step clock
+        # per block, the step at which it last changed hands (0: never)
+        self._renewed = np.zeros(0, dtype=np.int64)
 
     def __bool__(self) -> bool:
         return bool(self.steps)
 
+    def tick(self) -> None:
+        """A new engine step: rows added from now on belong to it."""
+        self.now += 1
+
+    def renew(self, blocks) -> None:
+        """``blocks`` (block ids) change hands at this step: the rows made in
+        them before it are dead."""
+        ids = np.asarray(blocks, dtype=np.int64).reshape(-1)
+        if not ids.size:
+            return
+        top = int(ids.max()) + 1
+        if top > self._renewed.size:
+            grown = np.zeros(max(top, 2 * self._renewed.size), dtype=np.int64)
+            grown[:self._renewed.size] = self._renewed
+            self._renewed = grown
+        self._renewed[ids] = self.now
+
     def add(self, hidden, positions, slots) -> None:
-        n = len(slots)
         if len(self.steps) >= MAX_STEPS:
-            # one step of the live rows: settling costs per step (at one
-            # request a plain step adds one row), and dead rows are let go
-            self.steps = [PendingStep(*joined_rows(self.steps))]
-            self.held_rows = self.live_rows
-        self.steps.append(PendingStep(hidden, positions, slots))
-        self.held_rows += n
-        self.live_rows += n
+            self.compact()
+        self.steps.append(PendingStep(hidden, positions, slots, self.now))
+        self.held_rows += len(slots)
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Every pending row, ``(hidden [N, k * H], positions [N], slots [N])``
-        in step order (a slot that changed hands between plain steps gets its
-        last owner's values when stored in this order); nothing pending after."""
-        if not self.steps:
-            return None
-        rows = joined_rows(self.steps)
+        """Every live row, ``(hidden [N, k * H], positions [N], slots [N])``
+        in step order (a slot that changed hands between plain steps and was
+        not renewed, a cached block hit again, gets its last row's values
+        when stored in this order); nothing pending after. None when no row
+        is live."""
+        rows = self._live_rows()
         self.clear()
         return rows
 
+    def compact(self) -> None:
+        """The live rows as one step (made now: they are live now), the dead
+        ones let go."""
+        rows = self._live_rows()
+        self.steps = [] if rows is None else [PendingStep(*rows, self.now)]
+        self.held_rows = 0 if rows is None else len(rows[2])
+
     def clear(self) -> None:
         self.steps = []
-        self.held_rows = self.live_rows = 0
+        self.held_rows = 0
 
-    def release(self, freed_blocks: torch.Tensor, block_size: int, keep_full: bool
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Settle the rows in ``freed_blocks`` (blocks that requests gave
-        back). With ``keep_full`` (prefix caching: the cache keeps full blocks
-        only) the rows of each freed block whose last slot is pending are
-        returned for storing now, in step order; a freed block's other rows
-        are dropped. Returns None when nothing is to be stored."""
+    def _live_rows(self):
         if not self.steps:
             return None
-        slots = _cat_ids([s.slots for s in self.steps])
-        live = _cat_live(self.steps, slots.device)
-        block = slots // block_size
-        theirs = torch.isin(block, freed_blocks.to(slots.device)) & live
-        if not bool(theirs.any()):
+        keep = self._live_masks()
+        if not any(k is None or k.any() for k in keep):
             return None
-        stored = None
-        if keep_full:
-            full = block[theirs & (slots % block_size == block_size - 1)]
-            if full.numel():
-                cached = theirs & torch.isin(block, full)
-                stored = joined_rows(self._masked(cached))
-        left = live & ~theirs
-        self.steps = self._masked(left)
-        self.held_rows = sum(len(s.slots) for s in self.steps)
-        self.live_rows = int(left.sum())
-        return stored
+        return joined_rows(self.steps, keep)
 
-    def _masked(self, mask: torch.Tensor) -> list[PendingStep]:
-        """The steps with ``mask`` (over every held row, in step order) as
-        their live rows; steps without any left out."""
+    def _live_masks(self) -> list[np.ndarray | None]:
+        """Per step, which of its rows are live (None: all of them)."""
+        if not self.block_size:
+            raise RuntimeError("PendingContext.block_size is not set")
+        slots = _host_ids([s.slots for s in self.steps])
         sizes = np.array([len(s.slots) for s in self.steps])
-        ends = np.cumsum(sizes)
-        # live rows per step: differences of the running count at step ends
-        running = torch.cat([mask.new_zeros(1, dtype=torch.long), mask.long().cumsum(0)]).cpu()
-        per_step = (running[torch.from_numpy(ends)]
-                    - running[torch.from_numpy(ends - sizes)]).tolist()
-        out = []
-        for step, n, end, k in zip(self.steps, sizes.tolist(), ends.tolist(), per_step):
-            if k:
-                out.append(step._replace(live=None if k == n else mask[end - n:end]))
+        blocks = slots // self.block_size
+        renewed = np.zeros_like(blocks)
+        known = blocks < self._renewed.size
+        renewed[known] = self._renewed[blocks[known]]
+        live = renewed <= np.repeat([s.epoch for s in self.steps], sizes)
+        out, start = [], 0
+        for n in sizes.tolist():
+            part = live[start:start + n]
+            out.append(None if part.all() else part)
+            start += n
         return out
 
 
-def joined_rows(steps: list[PendingStep]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The live rows of ``steps`` as one ``(hidden [N, k * H], positions [N],
-    slots [N])`` (int64), in step order. Runs of steps kept as the forward's
-    outputs are joined per output (one concatenation each, not one per step);
-    only steps with dead rows are indexed."""
-    steps = [_live_only(s) for s in steps]
+def joined_rows(steps: list[PendingStep], keep: list[np.ndarray | None] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows of ``steps`` (with ``keep``, per step, only the rows it
+    marks; None: all) as one ``(hidden [N, k * H], positions [N], slots
+    [N])`` (int64), in step order. Runs of steps kept as the forward's
+    outputs are joined per output (one concatenation each, not one per
+    step); only steps with dropped rows are indexed, and steps without a
+    kept row are left out."""
+    if keep is not None:
+        steps = [s if k is None else _picked(s, k) for s, k in zip(steps, keep)
+                 if k is None or k.any()]
     hidden = torch.cat(_joined_runs(
         [s.hidden for s in steps], lambda h: isinstance(h, tuple),
         lambda run: torch.cat([torch.cat(parts) for parts in zip(*run)], dim=-1)))
     return hidden, _cat_ids([s.positions for s in steps]), _cat_ids([s.slots for s in steps])
 
 
-def _live_only(step: PendingStep) -> PendingStep:
-    if step.live is None:
-        return step
-    live = step.live
+def _picked(step: PendingStep, keep: np.ndarray) -> PendingStep:
+    index = torch.from_numpy(np.flatnonzero(keep))
 
     def pick(x):
         if isinstance(x, np.ndarray):
-            return x[live.cpu().numpy()]
-        return x[live.to(x.device)]
+            return x[keep]
+        return x.index_select(0, index.to(x.device))
     hidden = (tuple(pick(h) for h in step.hidden) if isinstance(step.hidden, tuple)
               else pick(step.hidden))
-    return PendingStep(hidden, pick(step.positions), pick(step.slots))
+    return PendingStep(hidden, pick(step.positions), pick(step.slots), step.epoch)
 
 
-def _cat_live(steps: list[PendingStep], device) -> torch.Tensor:
-    return torch.cat([torch.ones(len(s.slots), dtype=torch.bool, device=device)
-                      if s.live is None else s.live.to(device) for s in steps])
+def _host_ids(xs: list) -> np.ndarray:
+    """Slots of several steps on the host, ``[N]`` int64 in step order."""
+    return np.concatenate([x if isinstance(x, np.ndarray) else x.cpu().numpy()
+                           for x in xs]).astype(np.int64, copy=False)
 
 
 def _cat_ids(xs: list) -> torch.Tensor:

@@ -277,3 +277,43 @@ def test_pending_rows_are_capped_by_their_memory(widths, dtype, rows):
     runner = object.__new__(type("R", (DDTreeRunnerMixin,), {}))
     runner.ddtree_pending_cap = None
     assert runner._ddtree_pending_cap([torch.zeros(1, w, dtype=dtype) for w in widths]) == rows
+
+
+def test_compacting_keeps_large_mostly_live_steps_by_reference():
+    """A step of at least JOIN_ROWS rows, half of them live or more, is not
+    copied again; one mostly dead is, with the small steps around it."""
+    from vllm_ddtree.core.pending_context import JOIN_ROWS, PendingContext
+
+    n = JOIN_ROWS
+    pending = PendingContext(BLOCK)
+    big = [torch.arange(float(n))[:, None].repeat(1, 2) for _ in range(3)]
+    for first in (0, n, 2 * n):  # three large steps between small ones
+        pending.tick()
+        pending.add(tuple(big), np.arange(first, first + n), np.arange(first, first + n))
+        pending.tick()
+        pending.add(tuple(torch.zeros(1, 2) for _ in range(3)), np.array([9 * n]),
+                    np.array([9 * n]))
+    pending.tick()
+    pending.renew(np.arange(n // BLOCK // 2))  # half of the first large step dies
+    pending.renew(np.arange(n // BLOCK, 2 * n // BLOCK - 1))  # all but one block of the second
+    pending.compact()
+    sizes = [len(s.slots) for s in pending.steps]
+    assert sizes == [n, 1 + BLOCK + 1, n, 1]
+    assert pending.steps[0].hidden[0] is big[0] and pending.steps[2].hidden[0] is big[0]
+    assert pending.held_rows == sum(sizes)
+    slots = pending.take()[2].tolist()
+    assert slots == (list(range(n // 2, n)) + [9 * n] + list(range(2 * n - BLOCK, 2 * n))
+                     + [9 * n] + list(range(2 * n, 3 * n)) + [9 * n])
+
+
+def test_live_rows_are_taken_in_chunks_of_whole_steps_in_step_order():
+    runner, _ = _runner(prefix_caching=False)
+    pending = runner.ddtree_pending_context
+    pending.add(torch.full((3, 6), 7.0), torch.arange(3), torch.tensor([40, 41, 42]))
+    _step(runner, finished={"a"})  # 12, 13, 14, 29 die
+    chunks = pending.take_chunks(max_rows=3)
+    assert [c[2].tolist() for c in chunks] == [[20, 36, 37], [21, 8], [40, 41, 42]]
+    assert [c[0][:, 0].tolist() for c in chunks] == [[2, 3, 4], [12, 13], [7, 7, 7]]
+    assert not pending and pending.take_chunks(3) == []
+    runner, _ = _runner(prefix_caching=False)  # a step longer than a chunk is one chunk
+    assert [len(c[2]) for c in runner.ddtree_pending_context.take_chunks(2)] == [5, 4]

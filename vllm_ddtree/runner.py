@@ -680,10 +680,9 @@ class DDTreeRunnerMixin:
 
     def _ddtree_store_pending_context(self) -> None:
         """The drafter's context K/V of the tokens of plain steps since it last
-        ran, in one call, in step order, before anything reads the drafter's
-        cache again."""
-        rows = self.ddtree_pending_context.take()
-        if rows is not None:
+        ran, in step order, in calls of at most ``PENDING_STORE_ROWS`` rows
+        (whole steps), before anything reads the drafter's cache again."""
+        for rows in self.ddtree_pending_context.take_chunks(PENDING_STORE_ROWS):
             self.drafter.store_context(*rows)
 
     def _ddtree_pending_cap(self, aux_hidden_states) -> int:
@@ -937,6 +936,9 @@ PROFILE_MAX_TOKENS = 1024  # largest dummy forward of the start-up profile
 # 8B-class target's three 4096-wide bf16 layers), at least the row count.
 PENDING_CONTEXT_BYTES = 192 << 20
 PENDING_CONTEXT_ROWS = 8192
+# Pending rows stored per call (whole plain steps): joining and storing
+# tens of thousands at once costs more per row.
+PENDING_STORE_ROWS = 8192
 
 
 def _tuner_overrides() -> dict:

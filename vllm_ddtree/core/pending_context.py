@@ -29,10 +29,11 @@ or dropped unstored if the cache hands the block to someone else first.
 A step's rows are one ``[n, k * H]`` tensor, or (CPU) the forward's own
 ``k`` auxiliary outputs ``[n, H]`` each, kept by reference; positions and
 slots are tensors or numpy arrays. Memory is what the rows hold, dead rows
-included until the steps are compacted (:meth:`PendingContext.compact`:
-their live rows joined into one step, by the caller once
-:attr:`PendingContext.held_rows` passes its cap, and every ``MAX_STEPS``
-steps, which keeps the per-step work of a join bounded).
+included until the steps are compacted (:meth:`PendingContext.compact`,
+by the caller once :attr:`PendingContext.held_rows` passes its cap, and
+every ``MAX_STEPS`` steps, which keeps the per-step work of a join
+bounded): small steps' live rows are joined, large mostly-live steps kept
+by reference, so that a row is copied a few times at most.
 
 Imports nothing from vLLM.
 """
@@ -44,10 +45,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["MAX_STEPS", "PendingContext", "PendingStep", "joined_rows"]
+__all__ = ["JOIN_ROWS", "MAX_STEPS", "PendingContext", "PendingStep", "joined_rows"]
 
-# Steps kept apart before their live rows are joined into one.
+# Steps kept apart before they are compacted.
 MAX_STEPS = 256
+# Steps at least this long, mostly live, are kept as they are when compacting.
+JOIN_ROWS = 4096
 
 
 class PendingStep(NamedTuple):
@@ -105,12 +108,59 @@ class PendingContext:
         self.clear()
         return rows
 
+    def take_chunks(self, max_rows: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """:meth:`take` in pieces of whole steps, each of at most ``max_rows``
+        live rows or one step, in step order (stored in this order, they
+        write what :meth:`take`'s rows would). Joining tens of thousands of
+        rows at once costs about three times as much per row (fresh memory
+        for every copy), and so does storing them."""
+        if not self.steps:
+            return []
+        chunks, run, rows = [], [], 0
+        for step, keep in zip(self.steps, self._live_masks()):
+            n = len(step.slots) if keep is None else int(keep.sum())
+            if not n:
+                continue
+            if run and rows + n > max_rows:
+                chunks.append(joined_rows([s for s, _ in run], [k for _, k in run]))
+                run, rows = [], 0
+            run.append((step, keep))
+            rows += n
+        if run:
+            chunks.append(joined_rows([s for s, _ in run], [k for _, k in run]))
+        self.clear()
+        return chunks
+
     def compact(self) -> None:
-        """The live rows as one step (made now: they are live now), the dead
-        ones let go."""
-        rows = self._live_rows()
-        self.steps = [] if rows is None else [PendingStep(*rows, self.now)]
-        self.held_rows = 0 if rows is None else len(rows[2])
+        """Let go of the dead rows, copying as few live ones as it can: a
+        step without live rows goes; a step of at least ``JOIN_ROWS`` rows,
+        at least half of them live, stays as it is (a prefill's rows, or
+        rows joined before: copied again on every compaction they cost
+        more than all the rest); every run of the other steps becomes one
+        step of its live rows, made now (they are live now). A row is thus
+        copied a few times at most, however long it stays pending."""
+        out: list[PendingStep] = []
+        run: list[tuple[PendingStep, np.ndarray | None]] = []
+
+        def flush() -> None:
+            if run:
+                rows = joined_rows([s for s, _ in run], [k for _, k in run], by_output=True)
+                out.append(PendingStep(*rows, self.now))
+                run.clear()
+
+        for step, keep in zip(self.steps, self._live_masks()):
+            n = len(step.slots)
+            live = n if keep is None else int(keep.sum())
+            if not live:
+                continue
+            if n >= JOIN_ROWS and 2 * live >= n:
+                flush()
+                out.append(step)
+            else:
+                run.append((step, keep))
+        flush()
+        self.steps = out
+        self.held_rows = sum(len(s.slots) for s in out)
 
     def clear(self) -> None:
         self.steps = []
@@ -143,17 +193,22 @@ class PendingContext:
         return out
 
 
-def joined_rows(steps: list[PendingStep], keep: list[np.ndarray | None] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def joined_rows(steps: list[PendingStep], keep: list[np.ndarray | None] | None = None,
+                by_output: bool = False) -> tuple:
     """The rows of ``steps`` (with ``keep``, per step, only the rows it
     marks; None: all) as one ``(hidden [N, k * H], positions [N], slots
     [N])`` (int64), in step order. Runs of steps kept as the forward's
     outputs are joined per output (one concatenation each, not one per
     step); only steps with dropped rows are indexed, and steps without a
-    kept row are left out."""
+    kept row are left out. With ``by_output``, rows that are all kept as
+    the forward's outputs stay a tuple of ``k`` joined outputs (one copy
+    less, for rows that stay pending)."""
     if keep is not None:
         steps = [s if k is None else _picked(s, k) for s, k in zip(steps, keep)
                  if k is None or k.any()]
+    if by_output and all(isinstance(s.hidden, tuple) for s in steps):
+        hidden = tuple(torch.cat(parts) for parts in zip(*[s.hidden for s in steps]))
+        return hidden, _cat_ids([s.positions for s in steps]), _cat_ids([s.slots for s in steps])
     hidden = torch.cat(_joined_runs(
         [s.hidden for s in steps], lambda h: isinstance(h, tuple),
         lambda run: torch.cat([torch.cat(parts) for parts in zip(*run)], dim=-1)))

@@ -64,21 +64,37 @@ def _run(model, ids):
 
 
 # --------------------------------------------------------------------------- heavy target
-def test_heavy_logits_are_bit_identical(small_heavy, dense, prompt_ids):
-    """Every added weight adds exactly zero, and the matmuls over the padded
-    intermediate dimension sum the original products in the original order
-    followed by exact zeros: the logits are equal bit for bit, not just close."""
+# In exact arithmetic the heavy target is the source's function (the padding's
+# zeros are checked exactly below). In fp32 the padded MLP sums over a longer
+# intermediate dimension, and a CPU GEMM may split that reduction into
+# different blocks than the source's, so equality holds up to the order of the
+# sum: about 1e-5 on logits of magnitude ~10. A padding unit that is not zero
+# moves the logits by ~3e-3 or more (test_heavy_nonzero_padding_would_be_caught).
+HEAVY_ATOL = 1e-4
+
+
+def test_heavy_logits_equal_the_sources(small_heavy, dense, prompt_ids):
     padded = _load(small_heavy)
     for ids in prompt_ids:
         want, got = _run(dense, ids).logits, _run(padded, ids).logits
-        assert torch.equal(got, want), (
-            f"max |diff| {(got - want).abs().max().item():.3g}: the padding is not exact "
-            "(or this CPU's GEMM reorders the reduction; then only allclose holds)")
+        torch.testing.assert_close(got, want, rtol=0, atol=HEAVY_ATOL)
+
+
+def test_heavy_greedy_continuations_equal_the_sources(small_heavy, dense, prompt_ids):
+    """What the drafter's acceptance depends on: the padded target picks the
+    same tokens as the source, 48 steps past each prompt."""
+    padded = _load(small_heavy)
+    for ids in prompt_ids:
+        kw = dict(max_new_tokens=48, do_sample=False, pad_token_id=0, eos_token_id=None,
+                  attention_mask=torch.ones_like(ids))
+        assert torch.equal(padded.generate(ids, **kw), dense.generate(ids, **kw))
 
 
 def test_heavy_keeps_the_drafters_features(small_heavy, dense, prompt_ids):
     """The residual stream after each layer the drafter reads (HF's
-    hidden_states[i + 1], what vLLM hands the drafter) is unchanged."""
+    hidden_states[i + 1], what vLLM hands the drafter) is the source's, and the
+    appended layers leave the stream bit for bit as the last trained one left
+    it (their zero o_proj and down_proj add exact zeros, whatever the order)."""
     layer_ids = json.loads((DRAFTER / "config.json").read_text())["dflash_config"][
         "target_layer_ids"]
     assert max(layer_ids) < json.loads((TARGET / "config.json").read_text())["num_hidden_layers"]
@@ -86,8 +102,8 @@ def test_heavy_keeps_the_drafters_features(small_heavy, dense, prompt_ids):
     for ids in prompt_ids:
         want, got = _run(dense, ids).hidden_states, _run(padded, ids).hidden_states
         for i in layer_ids:
-            assert torch.equal(got[i + 1], want[i + 1]), f"layer {i}"
-        # and the padded layers leave the stream exactly as the last trained one left it
+            torch.testing.assert_close(got[i + 1], want[i + 1], rtol=0, atol=HEAVY_ATOL,
+                                       msg=lambda m, i=i: f"layer {i}: {m}")
         n_src = len(want) - 1
         for j in range(n_src + 1, SMALL_LAYERS):
             assert torch.equal(got[j], got[n_src]), f"appended layer {j - 1} changed the stream"
@@ -146,8 +162,9 @@ def test_heavy_added_weights_are_random_and_the_outputs_zero(small_heavy):
 @pytest.mark.parametrize("where", ["padded unit of a trained layer", "appended layer's o_proj",
                                    "appended layer's down_proj"])
 def test_heavy_nonzero_padding_would_be_caught(small_heavy, dense, prompt_ids, where):
-    """If the padding were not zero the logits would move: the equality above is
-    a real check, not a consequence of the padding being unused."""
+    """If the padding were not zero the logits would move well past the
+    tolerance: the equality above is a real check, not a consequence of the
+    padding being unused."""
     padded = _load(small_heavy)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -162,7 +179,7 @@ def test_heavy_nonzero_padding_would_be_caught(small_heavy, dense, prompt_ids, w
             w[:, 5] = torch.randn(w.shape[0], generator=gen) * 0.02
     diff = max((_run(padded, ids).logits - _run(dense, ids).logits).abs().max().item()
                for ids in prompt_ids)
-    assert diff > 1e-4, where
+    assert diff > 10 * HEAVY_ATOL, where
 
 
 def test_heavy_serving_folder(small_heavy):

@@ -212,27 +212,60 @@ def test_compacting_lets_the_dead_rows_go_and_later_renewals_still_apply():
     assert pending.take() is None
 
 
-def test_many_steps_are_compacted_into_one():
-    """Every MAX_STEPS steps the live rows become one step (joining costs
-    per step; at one request a plain step adds one row)."""
-    from vllm_ddtree.core.pending_context import MAX_STEPS, PendingContext
-
-    pending = PendingContext(BLOCK)
-    for t in range(MAX_STEPS):  # one row a step, slots t
+def _one_row_steps(pending, first: int, count: int) -> None:
+    for t in range(first, first + count):  # one row a step, slot t
         pending.tick()
         pending.add(tuple(torch.full((1, 2), float(t)) for _ in range(3)),
                     np.array([t]), np.array([t]))
+
+
+def test_many_steps_are_compacted_into_a_few():
+    """Every MAX_STEPS steps the live rows are joined into a few steps whose
+    sizes at least halve from one to the next (joining costs per step; at one
+    request a plain step adds one row)."""
+    from vllm_ddtree.core.pending_context import MAX_STEPS, PendingContext
+
+    pending = PendingContext(BLOCK)
+    _one_row_steps(pending, 0, MAX_STEPS)
     pending.tick()
     pending.renew([0])  # slots 0..3
     extra = list(range(1000, 1005))  # the first compacts: MAX_STEPS - 4 rows, then 5 steps
     for t in extra:
         pending.add(tuple(torch.full((1, 2), -float(t)) for _ in range(3)), np.array([t]),
                     np.array([t]))
-    assert len(pending.steps) == 1 + len(extra) and pending.held_rows == MAX_STEPS + 1
+    joined = [len(s.slots) for s in pending.steps[:-len(extra)]]
+    assert sum(joined) == MAX_STEPS - 4 and len(joined) <= 8, joined
+    assert all(a > 2 * b for a, b in zip(joined, joined[1:])), joined
+    assert pending.held_rows == MAX_STEPS + 1
     hidden, positions, slots = pending.take()
     assert slots.tolist() == list(range(4, MAX_STEPS)) + extra
     assert hidden[:, 0].tolist() == list(range(4, MAX_STEPS)) + [-t for t in extra]
     assert hidden.shape[1] == 6 and positions.tolist() == slots.tolist()
+
+
+def test_rows_that_stay_pending_are_copied_a_few_times(monkeypatch):
+    """At one request with the cache keeping every block, rows stay pending
+    for thousands of steps: each compaction copies the new rows and merges
+    only groups of like size, about 4 copies a row over 64 compactions (a
+    join of everything held each time would be about 32; one that stops at
+    JOIN_ROWS, 8.5)."""
+    from vllm_ddtree.core import pending_context as pc
+
+    copied = [0]
+    join = pc.joined_rows
+
+    def counted(*args, **kwargs):
+        out = join(*args, **kwargs)
+        copied[0] += len(out[2])
+        return out
+    monkeypatch.setattr(pc, "joined_rows", counted)
+    pending = pc.PendingContext(BLOCK)
+    rows = 64 * pc.MAX_STEPS
+    _one_row_steps(pending, 0, rows)
+    assert copied[0] <= 5 * rows, copied[0] / rows
+    assert len(pending.steps) <= pc.MAX_STEPS
+    slots = pending.take()[2]
+    assert torch.equal(slots, torch.arange(rows))
 
 
 def test_rows_without_a_block_size_are_refused():
@@ -281,7 +314,8 @@ def test_pending_rows_are_capped_by_their_memory(widths, dtype, rows):
 
 def test_compacting_keeps_large_mostly_live_steps_by_reference():
     """A step of at least JOIN_ROWS rows, half of them live or more, is not
-    copied again; one mostly dead is, with the small steps around it."""
+    copied again; one mostly dead is, joined with the small step before it
+    (the one after it, a group of its own, stays as it is)."""
     from vllm_ddtree.core.pending_context import JOIN_ROWS, PendingContext
 
     n = JOIN_ROWS
@@ -298,8 +332,8 @@ def test_compacting_keeps_large_mostly_live_steps_by_reference():
     pending.renew(np.arange(n // BLOCK, 2 * n // BLOCK - 1))  # all but one block of the second
     pending.compact()
     sizes = [len(s.slots) for s in pending.steps]
-    assert sizes == [n, 1 + BLOCK + 1, n, 1]
-    assert pending.steps[0].hidden[0] is big[0] and pending.steps[2].hidden[0] is big[0]
+    assert sizes == [n, 1 + BLOCK, 1, n, 1]
+    assert pending.steps[0].hidden[0] is big[0] and pending.steps[3].hidden[0] is big[0]
     assert pending.held_rows == sum(sizes)
     slots = pending.take()[2].tolist()
     assert slots == (list(range(n // 2, n)) + [9 * n] + list(range(2 * n - BLOCK, 2 * n))

@@ -32,8 +32,9 @@ slots are tensors or numpy arrays. Memory is what the rows hold, dead rows
 included until the steps are compacted (:meth:`PendingContext.compact`,
 by the caller once :attr:`PendingContext.held_rows` passes its cap, and
 every ``MAX_STEPS`` steps, which keeps the per-step work of a join
-bounded): small steps' live rows are joined, large mostly-live steps kept
-by reference, so that a row is copied a few times at most.
+bounded): small steps' live rows are joined in groups of halving size,
+large mostly-live steps kept by reference, so that a row is copied a number
+of times logarithmic in the rows held.
 
 Imports nothing from vLLM.
 """
@@ -132,21 +133,25 @@ class PendingContext:
         return chunks
 
     def compact(self) -> None:
-        """Let go of the dead rows, copying as few live ones as it can: a
+        """Let go of the dead rows, copying as few live ones as it can. A
         step without live rows goes; a step of at least ``JOIN_ROWS`` rows,
         at least half of them live, stays as it is (a prefill's rows, or
-        rows joined before: copied again on every compaction they cost
-        more than all the rest); every run of the other steps becomes one
-        step of its live rows, made now (they are live now). A row is thus
-        copied a few times at most, however long it stays pending."""
+        rows joined before). The other steps are grouped in step order as a
+        stack whose live sizes at least halve from each group to the next
+        (a group merges into the one before it while that one is at most
+        twice its size): each group of several steps becomes one step of
+        its live rows, made now (they are live now); a group of one step
+        stays as it is while at least half of it is live. Rows joined by
+        one compaction are then copied again only when as many rows have
+        come after them, so a row that stays pending is copied a number of
+        times logarithmic in the rows held, and the steps left are few."""
         out: list[PendingStep] = []
-        run: list[tuple[PendingStep, np.ndarray | None]] = []
+        stack: list[list] = []  # [live rows, [(step, keep), ...]] per group
 
-        def flush() -> None:
-            if run:
-                rows = joined_rows([s for s, _ in run], [k for _, k in run], by_output=True)
-                out.append(PendingStep(*rows, self.now))
-                run.clear()
+        def settle() -> None:
+            for _, members in stack:
+                out.append(self._grouped(members))
+            stack.clear()
 
         for step, keep in zip(self.steps, self._live_masks()):
             n = len(step.slots)
@@ -154,13 +159,25 @@ class PendingContext:
             if not live:
                 continue
             if n >= JOIN_ROWS and 2 * live >= n:
-                flush()
+                settle()
                 out.append(step)
-            else:
-                run.append((step, keep))
-        flush()
+                continue
+            stack.append([live, [(step, keep)]])
+            while len(stack) > 1 and stack[-2][0] <= 2 * stack[-1][0]:
+                live_top, members = stack.pop()
+                stack[-1][0] += live_top
+                stack[-1][1].extend(members)
+        settle()
         self.steps = out
         self.held_rows = sum(len(s.slots) for s in out)
+
+    def _grouped(self, members: list[tuple[PendingStep, np.ndarray | None]]) -> PendingStep:
+        if len(members) == 1:
+            step, keep = members[0]
+            if keep is None or 2 * int(keep.sum()) >= len(step.slots):
+                return step
+        rows = joined_rows([s for s, _ in members], [k for _, k in members], by_output=True)
+        return PendingStep(*rows, self.now)
 
     def clear(self) -> None:
         self.steps = []

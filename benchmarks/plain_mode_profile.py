@@ -14,7 +14,13 @@ included), storing the pending drafter context (at the cap, or when
 drafting resumes), settling the blocks that change hands at each step
 (``_ddtree_settle_pending_context``), the drafter's context store itself,
 and the rows it stored. Prints tokens/s per
-run and each part's share of the measured time.
+run and each part's share of the measured time. With ``--engine-parts``,
+vLLM's phases of a step are timed too, in both engines (the engine core's
+step, the scheduler's, the runner's input preparation, attention metadata,
+forward, sampling and drafting; wrapped at ``GPUModelRunner``, so a
+DDTree override's own work counts in its phase), and a table gives each
+phase and each DDTree part in microseconds per step, side by side (each
+wrapper adds well under a microsecond per call).
 
 A diagnosis (sequential runs, one engine alive at a time), not a verdict:
 ``bench_default`` is that (arms alive together, interleaved, several rounds).
@@ -33,25 +39,38 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("_ddtree_plain_step", "_ddtree_store_pending_context",
-         "_ddtree_settle_pending_context")
+         "_ddtree_settle_pending_context", "_ddtree_step_clock", "take_draft_token_ids")
+# (module, class, method) of vLLM's phases of a step, timed with --engine-parts
+ENGINE_PARTS = (
+    [("vllm.v1.engine.core", "EngineCore", "step")]
+    + [("vllm.v1.core.sched.scheduler", "Scheduler", m)
+       for m in ("schedule", "update_from_output")]
+    + [("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", m)
+       for m in ("_prepare_inputs", "_preprocess", "_build_attention_metadata",
+                 "_model_forward", "sample_tokens", "_sample", "propose_draft_token_ids")])
+STEP = "EngineCore.step"
 
 
-def _timed(cls, name: str, acc: dict) -> None:
+def _timed(cls, name: str, acc: dict, label: str | None = None) -> None:
     fn = getattr(cls, name)
+    label = label or name
 
     def timed(*args, **kwargs):
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            calls, secs = acc.get(name, (0, 0.0))
-            acc[name] = (calls + 1, secs + time.perf_counter() - t0)
+            calls, secs = acc.get(label, (0, 0.0))
+            acc[label] = (calls + 1, secs + time.perf_counter() - t0)
 
     setattr(cls, name, timed)
 
 
-def run_one(config: str, arm: str, c: int, warmup: int, batches: int) -> dict:
+def run_one(config: str, arm: str, c: int, warmup: int, batches: int,
+            engine_parts: bool = False) -> dict:
     """One engine in this process: tokens/s and the timed parts."""
+    import importlib
+
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from benchmarks.bench_default import arms, configuration
     from benchmarks.run_llm import humaneval_prompts
@@ -60,6 +79,10 @@ def run_one(config: str, arm: str, c: int, warmup: int, batches: int) -> dict:
     os.environ.update({k: str(v) for k, v in job["env"].items()})
     acc: dict[str, tuple[int, float]] = {}
     rows = [0]
+    engine: dict[str, tuple[int, float]] = {}
+    for module, cls_name, method in ENGINE_PARTS if engine_parts else ():
+        cls = getattr(importlib.import_module(module), cls_name)
+        _timed(cls, method, engine, f"{cls_name}.{method}")
     if arm == "default":
         from vllm_ddtree import runner as runner_mod
         from vllm_ddtree.core import tuner
@@ -90,13 +113,38 @@ def run_one(config: str, arm: str, c: int, warmup: int, batches: int) -> dict:
     for w in range(warmup):  # bench_default's warm-up prompts, then its rounds'
         batch(0 if w == 0 else 100 + w)
     acc.clear()
+    engine.clear()
     rows[0] = 0
     tokens, t0 = 0, time.perf_counter()
     for b in range(batches):
         tokens += batch(7 * (b + 1))
     seconds = time.perf_counter() - t0
     return {"arm": arm, "tok_s": tokens / seconds, "seconds": seconds, "stored_rows": rows[0],
-            "parts": {k: {"calls": n, "seconds": s} for k, (n, s) in acc.items()}}
+            "parts": {k: {"calls": n, "seconds": s} for k, (n, s) in acc.items()},
+            "engine_parts": {k: {"calls": n, "seconds": s} for k, (n, s) in engine.items()}}
+
+
+def per_step_table(runs: list[dict]) -> str:
+    """Microseconds per engine step of each timed part, means over each
+    arm's runs, default and plain side by side."""
+    def us(run: dict) -> dict[str, float]:
+        steps = run["engine_parts"][STEP]["calls"]
+        parts = {**run["engine_parts"], **run["parts"]}
+        return {k: 1e6 * p["seconds"] / steps for k, p in parts.items()}
+    by_arm = {arm: [us(r) for r in runs if r["arm"] == arm] for arm in ("default", "plain")}
+    names = list(dict.fromkeys(k for arm in by_arm.values() for run in arm for k in run))
+    lines = ["| part | default, us/step | plain, us/step | difference |",
+             "| --- | ---: | ---: | ---: |"]
+    for name in names:
+        cells = []
+        for arm in ("default", "plain"):
+            vals = [run[name] for run in by_arm[arm] if name in run]
+            cells.append(sum(vals) / len(vals) if vals else None)
+        d, p = cells
+        lines.append(f"| {name} | {'' if d is None else f'{d:.1f}'} | "
+                     f"{'' if p is None else f'{p:.1f}'} | "
+                     f"{'' if d is None or p is None else f'{d - p:+.1f}'} |")
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -108,6 +156,8 @@ def main() -> int:
     ap.add_argument("--batches", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=2,
                     help="runs per arm, alternating default and plain")
+    ap.add_argument("--engine-parts", action="store_true",
+                    help="also time vLLM's phases of a step; print a table per step")
     ap.add_argument("--out", help="JSON: every run")
     ap.add_argument("--one", nargs=2, metavar=("ARM", "JSON"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -117,7 +167,8 @@ def main() -> int:
     if args.one:  # a child's run (vLLM logs to stdout: the result goes to a file)
         arm, path = args.one
         Path(path).write_text(json.dumps(run_one(args.config, arm, args.concurrency,
-                                                 args.warmup, args.batches)))
+                                                 args.warmup, args.batches,
+                                                 args.engine_parts)))
         return 0
     runs = []
     for r in range(args.repeats):
@@ -127,7 +178,8 @@ def main() -> int:
                 cmd = [sys.executable, "-m", "benchmarks.plain_mode_profile",
                        "--one", arm, str(path), "--config", args.config,
                        "--concurrency", str(args.concurrency), "--warmup", str(args.warmup),
-                       "--batches", str(args.batches)]
+                       "--batches", str(args.batches)] + (
+                           ["--engine-parts"] if args.engine_parts else [])
                 out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
                 if out.returncode or not path.exists():
                     sys.stderr.write(out.stdout[-2000:] + out.stderr[-4000:])
@@ -144,6 +196,8 @@ def main() -> int:
     plain = [x["tok_s"] for x in runs if x["arm"] == "plain"]
     print(f"default held at plain over plain (means of the runs): "
           f"{sum(default) / len(default) / (sum(plain) / len(plain)):.3f}x")
+    if args.engine_parts:
+        print(per_step_table(runs))
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
     return 0

@@ -29,6 +29,7 @@ A diagnosis (sequential runs, one engine alive at a time), not a verdict:
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -69,8 +70,6 @@ def _timed(cls, name: str, acc: dict, label: str | None = None) -> None:
 def run_one(config: str, arm: str, c: int, warmup: int, batches: int,
             engine_parts: bool = False) -> dict:
     """One engine in this process: tokens/s and the timed parts."""
-    import importlib
-
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from benchmarks.bench_default import arms, configuration
     from benchmarks.run_llm import humaneval_prompts

@@ -82,3 +82,34 @@ def record_trees_dropping_released_rows() -> None:
 
     runner_mod.DDTreeRunnerMixin._ddtree_settle_pending_context = dropping
     record_trees()
+
+
+ENV_STEP_LOG = "DDTREE_TEST_STEP_LOG"
+
+
+def record_trees_and_steps() -> None:
+    """:func:`record_trees`, and one line per runner event in
+    ``$DDTREE_TEST_STEP_LOG``: ``meta spec`` / ``meta plain`` (the step's
+    attention metadata built with vLLM's speculative metadata or without),
+    ``propose`` (vLLM's drafting hook ran) and ``kept`` (a plain step's
+    tokens kept for the drafter's context)."""
+    from vllm_ddtree import runner as runner_mod
+
+    path = os.environ[ENV_STEP_LOG]
+    cls = runner_mod.DDTreeRunnerMixin
+
+    def logged(name, label):
+        real = getattr(cls, name)
+
+        def wrapper(self, *args, **kwargs):
+            tag = label(self, kwargs) if callable(label) else label
+            with open(path, "a") as f:
+                f.write(tag + "\n")
+            return real(self, *args, **kwargs)
+        setattr(cls, name, wrapper)
+
+    logged("_build_attention_metadata",
+           lambda self, kw: "meta spec" if kw.get("use_spec_decode") else "meta plain")
+    logged("_ddtree_plain_step", "kept")
+    record_trees()
+    logged("propose_draft_token_ids", "propose")

@@ -18,7 +18,7 @@ import json
 
 import pytest
 
-from tests.adaptive_probe import ENV_LOG
+from tests.adaptive_probe import ENV_LOG, ENV_STEP_LOG
 from tests.conftest import IN_PROCESS, run_job
 
 pytestmark = pytest.mark.engine
@@ -140,9 +140,10 @@ def _trees(path) -> dict:
     return out
 
 
-def _plain_mode(tiny_pair, tmp_path, hook):
+def _plain_mode(tiny_pair, tmp_path, hook, env=None):
     log = tmp_path / "trees.jsonl"
-    env = dict(IN_PROCESS, **{ENV_LOG: str(log), "VLLM_DDTREE_COST_MODEL": COST_PLAIN})
+    env = dict(IN_PROCESS, **{ENV_LOG: str(log), "VLLM_DDTREE_COST_MODEL": COST_PLAIN},
+               **(env or {}))
     res = _ddtree(tiny_pair, tmp_path, env=env, setup=f"tests.adaptive_probe:{hook}",
                   prompts="humaneval:2", sampling=SYNC_SAMPLING)
     return res, _trees(log)
@@ -161,11 +162,22 @@ def _compare_after_plain(trees, reference):
 
 
 def test_plain_steps_keep_the_drafter_in_sync(always_drafting, tiny_pair, tmp_path):
+    """... and run as a plain engine's steps: without vLLM's speculative
+    metadata or its drafting hook, their tokens kept for the drafter."""
     ref_res, reference = always_drafting
-    res, trees = _plain_mode(tiny_pair, tmp_path, "record_trees")
+    steps = tmp_path / "steps.log"
+    res, trees = _plain_mode(tiny_pair, tmp_path, "record_trees_and_steps",
+                             {ENV_STEP_LOG: str(steps)})
     assert res["outputs"] == ref_res["outputs"], "plain mode changed the greedy output"
     dd = _budget_counts(res)
     assert dd["budget_plain_steps"] > 0.8 * dd["budget_decisions"], "trees were chosen"
+    events = steps.read_text().split("\n")[:-1]
+    kept = [i for i, e in enumerate(events) if e == "kept"]
+    assert len(kept) >= 0.8 * dd["budget_decisions"] - 1, (len(kept), dd)
+    for i in kept:  # since the step's metadata: no drafting hook, no spec metadata
+        last_meta = max(j for j in range(i) if events[j].startswith("meta"))
+        assert events[last_meta] == "meta plain" and "propose" not in events[last_meta:i]
+    assert "meta spec" in events and "propose" in events  # the probes' and trees' steps
     assert res["spec"]["drafts"] > 0, "no probe verified a tree"
     same, total = _compare_after_plain(trees, reference)
     assert total >= 2, f"only {total} trees drafted after plain steps"

@@ -268,6 +268,32 @@ def test_rows_that_stay_pending_are_copied_a_few_times(monkeypatch):
     assert torch.equal(slots, torch.arange(rows))
 
 
+def test_live_rows_are_found_among_steps_of_every_size():
+    """Steps with every row live, some dead and none live, next to each
+    other (the live mask is split per step by counts), and an empty step,
+    which adds nothing."""
+    from vllm_ddtree.core.pending_context import PendingContext
+
+    pending = PendingContext(BLOCK)
+    sizes = [3, 1, 4, 1, 5, 2]
+    first = 0
+    for n in sizes:
+        pending.tick()
+        ids = np.arange(first, first + n)
+        pending.add(torch.from_numpy(ids).float()[:, None], ids, ids)
+        first += n
+    pending.add(torch.zeros(0, 1), np.zeros(0, np.int64), np.zeros(0, np.int64))
+    assert len(pending.steps) == len(sizes)
+    pending.tick()
+    pending.renew([0, 3])  # slots 0-3 and 12-15: the first two steps, the last, part of one
+    masks = pending._live_masks()
+    assert [None if m is None else m.tolist() for m in masks] == [
+        [False] * 3, [False], None, None, [True] * 3 + [False] * 2, [False] * 2]
+    hidden, _, slots = pending.take()
+    assert slots.tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert hidden[:, 0].tolist() == slots.tolist()
+
+
 def test_rows_without_a_block_size_are_refused():
     from vllm_ddtree.core.pending_context import PendingContext
 

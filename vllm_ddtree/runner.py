@@ -113,6 +113,7 @@ class DDTreeRunnerMixin:
         # model, under which the model decides alone)
         self.ddtree_tuner: RateTuner | None = None
         self.ddtree_best: dict[int, str] = {}  # bucket -> best arm last logged
+        self.ddtree_best_seen: tuple[int, int] | None = None  # (trials closed, bucket) then
         # Plain steps' tokens whose drafter context K/V is not stored yet,
         # stored together when the drafter next runs (plain steps then cost
         # what plain decoding does; core/pending_context.py). The hidden
@@ -155,6 +156,10 @@ class DDTreeRunnerMixin:
         # drafts), and this step's scheduled drafts: the node histories.
         self.ddtree_host_parents: dict[str, list[int]] = {}
         self.ddtree_no_drafts = False  # the last step was plain and drafted nothing
+        # This step's drafting decision when made before the forward (a step
+        # without drafts), and whether the step runs as a plain engine's.
+        self.ddtree_decision: tuple | None = None
+        self.ddtree_plain_run = False
         self.ddtree_rates_seen = -1  # the tuner's closed trials when its rates were last exported
         self.ddtree_scheduled: dict[str, list[int]] = {}
         logger.info("DDTree: tree budget %d%s, drafter depth %d (block size %d)",
@@ -193,6 +198,7 @@ class DDTreeRunnerMixin:
     def execute_model(self, scheduler_output, *args, **kwargs):
         _release_gemm_handles()
         if self.ddtree is not None:
+            self.ddtree_decision = None
             pending = self.ddtree_pending_context
             pending.tick()
             if pending:
@@ -201,6 +207,23 @@ class DDTreeRunnerMixin:
                 self._ddtree_settle_pending_context(scheduler_output)
         if self.ddtree is not None and self.ddtree.adaptive:
             self._ddtree_step_clock(scheduler_output)
+        if (self.ddtree is not None and self.ddtree_policy is not None
+                and self.use_aux_hidden_state_outputs
+                and scheduler_output.total_num_scheduled_tokens
+                and not scheduler_output.scheduled_spec_decode_tokens):
+            # A step without drafts: the drafting decision now (nothing the
+            # step does moves it), and in plain mode the step runs as a plain
+            # engine's (no speculative metadata, no drafting hooks), its
+            # tokens kept for the drafter's context after sampling.
+            self.ddtree_decision = self._ddtree_decide(
+                len(scheduler_output.num_scheduled_tokens))
+            if not self.ddtree_decision[1]:
+                self.ddtree_plain_run = True
+                spec, self.speculative_config = self.speculative_config, None
+                try:
+                    return super().execute_model(scheduler_output, *args, **kwargs)
+                finally:
+                    self.speculative_config = spec
         return super().execute_model(scheduler_output, *args, **kwargs)
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
@@ -287,6 +310,17 @@ class DDTreeRunnerMixin:
             self.ddtree_mrope_delta = delta
         return out
 
+    def _preprocess(self, scheduler_output, *args, **kwargs):
+        if self.ddtree is not None and not scheduler_output.scheduled_spec_decode_tokens:
+            # A plain step has no draft placeholders among its input ids:
+            # without vLLM's clamp for them, as a plain engine runs it.
+            spec, self.speculative_config = self.speculative_config, None
+            try:
+                return super()._preprocess(scheduler_output, *args, **kwargs)
+            finally:
+                self.speculative_config = spec
+        return super()._preprocess(scheduler_output, *args, **kwargs)
+
     def _build_attention_metadata(self, *args, **kwargs):
         attn_metadata, spec_cad = super()._build_attention_metadata(*args, **kwargs)
         if self.ddtree is None:
@@ -338,7 +372,20 @@ class DDTreeRunnerMixin:
             self.ddtree_guarded = True
 
     def sample_tokens(self, *args, **kwargs):
-        out = super().sample_tokens(*args, **kwargs)
+        state = None
+        if self.ddtree is not None and self.ddtree_plain_run:
+            self.ddtree_plain_run = False
+            state = self.execute_model_state
+        if state is None:
+            out = super().sample_tokens(*args, **kwargs)
+        else:  # a plain step in plain mode (execute_model)
+            spec, self.speculative_config = self.speculative_config, None
+            try:
+                out = super().sample_tokens(*args, **kwargs)
+            finally:
+                self.speculative_config = spec
+            self.ddtree_decision = None
+            self._ddtree_plain_step(state.scheduler_output, state.aux_hidden_states)
         if self.ddtree is not None and self.ddtree_step is not None:
             sampled = getattr(out, "sampled_token_ids", None)
             if sampled is not None:  # the tokens this step committed
@@ -503,25 +550,14 @@ class DDTreeRunnerMixin:
                 self.mrope_positions.gpu[:, : delta.shape[0]] -= delta
         policy = self.ddtree_policy if self.ddtree is not None else None
         num_reqs = self.input_batch.num_reqs
-        arm = (self.ddtree_tuner.arm(num_reqs)
-               if policy is not None and self.ddtree_tuner is not None else None)
-        if arm is not None and self.ddtree_stats is not None:
-            tuner, rates = self.ddtree_tuner, None
-            if tuner.closed != self.ddtree_rates_seen:  # a trial closed: new rates
-                self.ddtree_rates_seen = tuner.closed
-                last = tuner.last_measured()
-                measured = last[1] if last is not None else {}
-                rates = [measured.get(a.name, 0.0) for a in tuner.arms]
-            self.ddtree_stats.add_arm(tuner.arms.index(arm), rates)
-        if arm is not None and arm.kind != "model":
-            drafting = arm.drafts
-        else:
-            drafting = policy is None or policy.should_draft(num_reqs)
-        if policy is not None and self.ddtree_tp is not None:
-            drafting = self.ddtree_tp.mode(drafting)
+        decision, self.ddtree_decision = self.ddtree_decision, None
+        arm, drafting = decision if decision is not None else self._ddtree_decide(num_reqs)
         if not drafting and _no_drafts(spec_decode_metadata) and aux_hidden_states:
             # A plain step in plain mode: every scheduled token is context.
-            return self._ddtree_plain_step(scheduler_output, aux_hidden_states, num_reqs)
+            self._ddtree_plain_step(scheduler_output, aux_hidden_states)
+            # No drafts as lists (vLLM's path for host-side proposers): nothing
+            # to copy to the host and turn into num_reqs x budget Python ints.
+            return [[] for _ in range(num_reqs)]
         if self.ddtree is not None:
             self._ddtree_store_pending_context()
         if not drafting:  # the step verified drafts: the stock path drops rejected rows
@@ -559,7 +595,29 @@ class DDTreeRunnerMixin:
             self._ddtree_flush_stats()
         return drafts
 
-    def _ddtree_plain_step(self, scheduler_output, aux_hidden_states, num_reqs):
+    def _ddtree_decide(self, num_reqs: int):
+        """This step's drafting decision, once per step: the rate tuner's arm
+        (None without one) and whether the drafter drafts after the step."""
+        policy = self.ddtree_policy if self.ddtree is not None else None
+        arm = (self.ddtree_tuner.arm(num_reqs)
+               if policy is not None and self.ddtree_tuner is not None else None)
+        if arm is not None and self.ddtree_stats is not None:
+            tuner, rates = self.ddtree_tuner, None
+            if tuner.closed != self.ddtree_rates_seen:  # a trial closed: new rates
+                self.ddtree_rates_seen = tuner.closed
+                last = tuner.last_measured()
+                measured = last[1] if last is not None else {}
+                rates = [measured.get(a.name, 0.0) for a in tuner.arms]
+            self.ddtree_stats.add_arm(tuner.arms.index(arm), rates)
+        if arm is not None and arm.kind != "model":
+            drafting = arm.drafts
+        else:
+            drafting = policy is None or policy.should_draft(num_reqs)
+        if policy is not None and self.ddtree_tp is not None:
+            drafting = self.ddtree_tp.mode(drafting)
+        return arm, drafting
+
+    def _ddtree_plain_step(self, scheduler_output, aux_hidden_states) -> None:
         """Plain mode after a plain step: keep the step's tokens for the
         drafter's context K/V (stored in one batched call when drafting
         resumes, ``_ddtree_store_pending_context``) and schedule no drafts,
@@ -591,9 +649,6 @@ class DDTreeRunnerMixin:
         if self.ddtree_step is not None:
             self.ddtree_step["end"] = time.perf_counter()
         self._ddtree_flush_stats()
-        # No drafts as lists (vLLM's path for host-side proposers): nothing to
-        # copy to the host and turn into num_reqs x budget Python ints.
-        return [[] for _ in range(num_reqs)]
 
     def _ddtree_keeps_outputs(self, aux_hidden_states) -> bool:
         """Whether a plain step may keep the forward's auxiliary outputs by
@@ -885,11 +940,15 @@ class DDTreeRunnerMixin:
             draft_s = last.get("draft", 0.0)
             draft_s = draft_s() if callable(draft_s) else draft_s
             self.ddtree_policy.observe(last["reqs"], last["tokens"], step_s, draft_s)
-            if self.ddtree_tuner is not None and "emitted" in last:
-                self.ddtree_tuner.observe(last["reqs"], last["emitted"], step_s,
-                                          counted=last["decoding"], verified=last["tokens"],
-                                          drafted="draft" in last)
-                self._ddtree_log_best(last["reqs"])
+            tuner = self.ddtree_tuner
+            if tuner is not None and "emitted" in last:
+                tuner.observe(last["reqs"], last["emitted"], step_s, counted=last["decoding"],
+                              verified=last["tokens"], drafted="draft" in last)
+                # a bucket's best arm changes only when a trial closes
+                seen = (tuner.closed, bucket_of(last["reqs"]))
+                if seen != self.ddtree_best_seen:
+                    self.ddtree_best_seen = seen
+                    self._ddtree_log_best(last["reqs"])
         if self.ddtree_tuner is not None and scheduler_output.scheduled_new_reqs:
             # new prompts: the trees' rates were measured on other text
             self.ddtree_tuner.admit(len(scheduler_output.scheduled_new_reqs))

@@ -94,6 +94,8 @@ class PendingContext:
         self._renewed[ids] = self.now
 
     def add(self, hidden, positions, slots) -> None:
+        if not len(slots):
+            return
         if len(self.steps) >= MAX_STEPS:
             self.compact()
         self.steps.append(PendingStep(hidden, positions, slots, self.now))
@@ -202,12 +204,13 @@ class PendingContext:
         known = blocks < self._renewed.size
         renewed[known] = self._renewed[blocks[known]]
         live = renewed <= np.repeat([s.epoch for s in self.steps], sizes)
-        out, start = [], 0
-        for n in sizes.tolist():
-            part = live[start:start + n]
-            out.append(None if part.all() else part)
-            start += n
-        return out
+        if live.all():  # the common case: nothing to split
+            return [None] * len(sizes)
+        starts = np.zeros(len(sizes), dtype=np.int64)
+        np.cumsum(sizes[:-1], out=starts[1:])
+        whole = (np.add.reduceat(live, starts) == sizes).tolist()
+        return [None if w else live[a:a + n]
+                for w, a, n in zip(whole, starts.tolist(), sizes.tolist())]
 
 
 def joined_rows(steps: list[PendingStep], keep: list[np.ndarray | None] | None = None,

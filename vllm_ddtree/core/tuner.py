@@ -137,6 +137,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -206,8 +207,7 @@ _BUCKET_STARTS = (1, 2, 8, 32, 128, 512, 2048)
 
 def bucket_of(num_reqs: int) -> int:
     """The batch-size bucket: 1 | 2-7 | 8-31 | 32-127 | 128-511 | ..."""
-    r = max(int(num_reqs), 1)
-    return sum(1 for start in _BUCKET_STARTS[1:] if r >= start)
+    return bisect_right(_BUCKET_STARTS, max(int(num_reqs), 1)) - 1
 
 
 def bucket_range(bucket: int) -> tuple[int, int | None]:

@@ -550,7 +550,9 @@ class DDTreeRunnerMixin:
                 self.mrope_positions.gpu[:, : delta.shape[0]] -= delta
         policy = self.ddtree_policy if self.ddtree is not None else None
         num_reqs = self.input_batch.num_reqs
-        decision, self.ddtree_decision = self.ddtree_decision, None
+        decision = None
+        if self.ddtree is not None:
+            decision, self.ddtree_decision = self.ddtree_decision, None
         arm, drafting = decision if decision is not None else self._ddtree_decide(num_reqs)
         if not drafting and _no_drafts(spec_decode_metadata) and aux_hidden_states:
             # A plain step in plain mode: every scheduled token is context.

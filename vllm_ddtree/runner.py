@@ -219,23 +219,26 @@ class DDTreeRunnerMixin:
                 len(scheduler_output.num_scheduled_tokens))
             if not self.ddtree_decision[1]:
                 self.ddtree_plain_run = True
-                spec, self.speculative_config = self.speculative_config, None
-                try:
-                    return super().execute_model(scheduler_output, *args, **kwargs)
-                finally:
-                    self.speculative_config = spec
+                return self._ddtree_as_plain(super().execute_model, scheduler_output,
+                                             *args, **kwargs)
         return super().execute_model(scheduler_output, *args, **kwargs)
+
+    def _ddtree_as_plain(self, fn, *args, **kwargs):
+        """``fn`` (a step's phase) with vLLM's speculative configuration set
+        aside: the path a plain engine takes."""
+        spec, self.speculative_config = self.speculative_config, None
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.speculative_config = spec
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         if self.ddtree is not None and not scheduler_output.scheduled_spec_decode_tokens:
             # No request verifies drafts (a plain step): prepared as a plain
             # engine prepares it, without vLLM's zero-draft spec metadata, so
             # that plain steps cost what plain decoding costs.
-            spec, self.speculative_config = self.speculative_config, None
-            try:
-                out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
-            finally:
-                self.speculative_config = spec
+            out = self._ddtree_as_plain(super()._prepare_inputs, scheduler_output,
+                                        num_scheduled_tokens)
             # GDN layers: no row is speculative, so vLLM's metadata builder
             # (which reads these with spec decoding configured) sends every row
             # down its plain path. That path reads the state DDTree's commit
@@ -314,11 +317,8 @@ class DDTreeRunnerMixin:
         if self.ddtree is not None and not scheduler_output.scheduled_spec_decode_tokens:
             # A plain step has no draft placeholders among its input ids:
             # without vLLM's clamp for them, as a plain engine runs it.
-            spec, self.speculative_config = self.speculative_config, None
-            try:
-                return super()._preprocess(scheduler_output, *args, **kwargs)
-            finally:
-                self.speculative_config = spec
+            return self._ddtree_as_plain(super()._preprocess, scheduler_output,
+                                         *args, **kwargs)
         return super()._preprocess(scheduler_output, *args, **kwargs)
 
     def _build_attention_metadata(self, *args, **kwargs):
@@ -379,11 +379,7 @@ class DDTreeRunnerMixin:
         if state is None:
             out = super().sample_tokens(*args, **kwargs)
         else:  # a plain step in plain mode (execute_model)
-            spec, self.speculative_config = self.speculative_config, None
-            try:
-                out = super().sample_tokens(*args, **kwargs)
-            finally:
-                self.speculative_config = spec
+            out = self._ddtree_as_plain(super().sample_tokens, *args, **kwargs)
             self.ddtree_decision = None
             self._ddtree_plain_step(state.scheduler_output, state.aux_hidden_states)
         if self.ddtree is not None and self.ddtree_step is not None:

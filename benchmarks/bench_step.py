@@ -37,8 +37,9 @@ drafts (no prefill, none finished yet) count.
 DDTree engine held in plain mode (a pinned cost model under which trees never
 pay, so the adaptive budget verifies nothing: ``VLLM_DDTREE_COST_MODEL=1,1,5``),
 counting the steps in which every request decodes one token without drafts
-(the plain-mode engine's probe steps are left out). A plain-mode step must
-cost what a plain step costs::
+(the plain-mode engine's probe steps are left out; ``--plain-sync`` runs
+the plain engine without vLLM's asynchronous scheduling, as DDTree runs).
+A plain-mode step must cost what a plain step costs::
 
     python -m benchmarks.bench_step --plain-mode --concurrency 1 4 16 --rounds 3
 
@@ -180,6 +181,28 @@ def _instrument(llm, timer: StepTimer, ddtree: bool, c_ref: list[int], plain_ste
         timer.wrap(proposer_mod.cpu_native, "build_tree_native", "build")
 
 
+def step_arms(args) -> dict[str, dict]:
+    """The two engines compared: the chain and DDTree at the same width, or
+    (``--plain-mode``) a plain engine and DDTree held in plain mode, the
+    plain one without asynchronous scheduling with ``--plain-sync``."""
+    if args.plain_sync and not args.plain_mode:
+        raise SystemExit("--plain-sync compares plain-mode steps: add --plain-mode")
+    if args.plain_mode:
+        plain = {"spec": None}
+        if args.plain_sync:
+            plain["llm"] = {"async_scheduling": False}
+        return {"plain": plain,
+                "ddtree_plain_mode": {"spec": {"method": "ddtree", "model": args.drafter,
+                                               "num_speculative_tokens": args.k},
+                                      "env": {"VLLM_DDTREE_COST_MODEL": "1,1,5"}}}
+    return {
+        "chain": {"spec": {"method": "dflash", "model": args.drafter,
+                           "num_speculative_tokens": args.k}},
+        "ddtree": {"spec": {"method": "ddtree", "model": args.drafter,
+                            "num_speculative_tokens": args.k, "ddtree_adaptive": False}},
+    }
+
+
 def worker(arm: dict, conn) -> None:
     """Build one engine, then serve ``("run", prompts, c, max_tokens)``
     requests on ``conn`` until ``("stop",)``."""
@@ -193,7 +216,8 @@ def worker(arm: dict, conn) -> None:
 
         llm = LLM(model=arm["target"], speculative_config=arm["spec"], dtype=arm["dtype"],
                   max_model_len=2048, seed=0, enable_prefix_caching=False,
-                  max_num_seqs=max(arm["max_c"], 1), disable_log_stats=False)
+                  max_num_seqs=max(arm["max_c"], 1), disable_log_stats=False,
+                  **(arm.get("llm") or {}))
         timer = StepTimer()
         c_ref = [0]
         ddtree = arm["spec"] is not None and arm["spec"]["method"] == "ddtree"
@@ -362,6 +386,9 @@ def main(argv=None) -> int:
                    help="sequential requests per round at concurrency 1 (default 4)")
     p.add_argument("--plain-mode", action="store_true",
                    help="plain engine vs DDTree in plain mode (see the module docstring)")
+    p.add_argument("--plain-sync", action="store_true",
+                   help="with --plain-mode: the plain engine without vLLM's asynchronous "
+                        "scheduling, which DDTree turns off")
     p.add_argument("--tag", default="latest")
     p.add_argument("--markdown", help="also write the Markdown table to this file")
     p.add_argument("--plot", nargs="+", metavar="JSON",
@@ -378,18 +405,7 @@ def main(argv=None) -> int:
 
     pool = humaneval_prompts(164)
     max_c = max(args.concurrency)
-    if args.plain_mode:
-        arms = {"plain": {"spec": None},
-                "ddtree_plain_mode": {"spec": {"method": "ddtree", "model": args.drafter,
-                                               "num_speculative_tokens": args.k},
-                                      "env": {"VLLM_DDTREE_COST_MODEL": "1,1,5"}}}
-    else:
-        arms = {
-            "chain": {"spec": {"method": "dflash", "model": args.drafter,
-                               "num_speculative_tokens": args.k}},
-            "ddtree": {"spec": {"method": "ddtree", "model": args.drafter,
-                                "num_speculative_tokens": args.k, "ddtree_adaptive": False}},
-        }
+    arms = step_arms(args)
     ctx = mp.get_context("spawn")
     procs, conns = {}, {}
     for name, extra in arms.items():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.bench_default import _shares, markdown
-from benchmarks.bench_step import paired_step_ratio
+from benchmarks.bench_step import paired_step_ratio, step_arms
 from benchmarks.interleave import _TunerArms
 from vllm_ddtree.core.stats import CounterWriter, stats_file
 
@@ -52,3 +52,15 @@ def test_tuner_arm_steps_come_from_the_engine_counters(tmp_path):
         w.add_arm(index)
     assert (arms.steps() - before).tolist() == [2, 0, 1]
     w.close()
+
+
+def test_plain_sync_turns_async_scheduling_off_for_the_plain_engine_only():
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(plain_mode=True, plain_sync=True, drafter="d", k=15)
+    arms = step_arms(args)
+    assert arms["plain"]["llm"] == {"async_scheduling": False}
+    assert "llm" not in arms["ddtree_plain_mode"]
+    assert "llm" not in step_arms(SimpleNamespace(**{**vars(args), "plain_sync": False}))["plain"]
+    with pytest.raises(SystemExit, match="--plain-mode"):
+        step_arms(SimpleNamespace(**{**vars(args), "plain_mode": False}))

@@ -77,7 +77,9 @@ def configuration(name: str) -> dict:
     return {"target": str(target), "drafter": str(drafter), "depth": depth, "llm": llm}
 
 
-def arms(cfg: dict) -> dict[str, dict]:
+def arms(cfg: dict, plain_sync: bool = False) -> dict[str, dict]:
+    """Every arm's engine job; ``plain_sync`` adds ``plain_sync``, plain
+    decoding without vLLM's asynchronous scheduling (DDTree runs without it)."""
     drafter, depth = cfg["drafter"], cfg["depth"]
     extra = {"ddtree_max_depth": depth} if depth else {}
     specs = {"plain": None,
@@ -89,13 +91,16 @@ def arms(cfg: dict) -> dict[str, dict]:
     specs["default"] = {"method": "ddtree", "model": drafter,
                         "num_speculative_tokens": DEFAULT_BUDGET, **extra}
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    return {name: {"model": cfg["target"], "speculative_config": spec, "llm": cfg["llm"],
+    jobs = {name: {"model": cfg["target"], "speculative_config": spec, "llm": cfg["llm"],
                    "env": env} for name, spec in specs.items()}
+    if plain_sync:
+        jobs["plain_sync"] = dict(jobs["plain"], llm=dict(cfg["llm"], async_scheduling=False))
+    return jobs
 
 
 def run_config(name: str, args) -> dict:
     cfg = configuration(name)
-    jobs = arms(cfg)
+    jobs = arms(cfg, plain_sync=args.plain_sync)
     pool = humaneval_prompts(164)
     rates: dict[str, dict[int, list[float]]] = {a: {c: [] for c in args.concurrency}
                                                 for a in jobs}
@@ -287,6 +292,9 @@ def main() -> int:
     ap.add_argument("--config", nargs="+", default=["dense", "dense_k7", "hybrid", "heavy"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--plain-sync", action="store_true",
+                    help="one more arm: plain decoding without vLLM's asynchronous "
+                         "scheduling, which DDTree turns off")
     ap.add_argument("--warmup", type=int, default=3,
                     help="warm-up passes per concurrency, every arm alike")
     ap.add_argument("--min-tokens", type=int, default=1024,

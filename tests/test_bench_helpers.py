@@ -64,3 +64,13 @@ def test_plain_sync_turns_async_scheduling_off_for_the_plain_engine_only():
     assert "llm" not in step_arms(SimpleNamespace(**{**vars(args), "plain_sync": False}))["plain"]
     with pytest.raises(SystemExit, match="--plain-mode"):
         step_arms(SimpleNamespace(**{**vars(args), "plain_mode": False}))
+
+
+def test_bench_default_plain_sync_arm_is_plain_without_async_scheduling():
+    from benchmarks.bench_default import arms, configuration
+
+    jobs = arms(configuration("dense"), plain_sync=True)
+    assert jobs["plain_sync"]["llm"]["async_scheduling"] is False
+    assert jobs["plain_sync"]["speculative_config"] is None
+    assert "async_scheduling" not in jobs["plain"]["llm"]
+    assert "plain_sync" not in arms(configuration("dense"))

@@ -380,7 +380,6 @@ class DDTreeRunnerMixin:
             out = super().sample_tokens(*args, **kwargs)
         else:  # a plain step in plain mode (execute_model)
             out = self._ddtree_as_plain(super().sample_tokens, *args, **kwargs)
-            self.ddtree_decision = None
             self._ddtree_plain_step(state.scheduler_output, state.aux_hidden_states)
         if self.ddtree is not None and self.ddtree_step is not None:
             sampled = getattr(out, "sampled_token_ids", None)
@@ -618,8 +617,9 @@ class DDTreeRunnerMixin:
     def _ddtree_plain_step(self, scheduler_output, aux_hidden_states) -> None:
         """Plain mode after a plain step: keep the step's tokens for the
         drafter's context K/V (stored in one batched call when drafting
-        resumes, ``_ddtree_store_pending_context``) and schedule no drafts,
-        without the rest of the drafting machinery."""
+        resumes, ``_ddtree_store_pending_context``) and mark the step as one
+        that drafted nothing (``take_draft_token_ids``), without the rest of
+        the drafting machinery."""
         n = scheduler_output.total_num_scheduled_tokens
         slots = self.input_batch.block_table[self.drafter.kv_cache_gid].slot_mapping.gpu
         pending = self.ddtree_pending_context

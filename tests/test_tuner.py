@@ -260,7 +260,8 @@ def test_back_in_a_bucket_after_a_while_the_incumbent_runs_first():
     the load spent longer than ``stale_seconds`` elsewhere (contexts grew,
     the machine changed), the incumbent is measured again first."""
     rates = dict(RATES, plain=400.0)
-    tuner = RateTuner(16, trial_seconds=0.05)
+    # (a starting budget: the arms behind plain are all tried in the first bucket)
+    tuner = RateTuner(16, trial_seconds=0.05, start_credit=0.05)
     _run(tuner, lambda t, r: rates, 600, reqs_at=lambda t: 1, stalls=0.0)
     assert tuner.best(1) == Arm("plain")
     _run(tuner, lambda t, r: rates, 600, reqs_at=lambda t: 16, stalls=0.0)  # > 0.5 s elsewhere
@@ -447,6 +448,38 @@ def test_exploring_loses_a_bounded_share_where_tree_steps_cost_many_plain_steps(
             assert rec.arm == "plain", (prev, rec)
 
 
+def test_a_load_that_lasts_a_second_spends_little_on_trees_that_lose():
+    """Sixteen requests for 1.25 s of engine time, a plain step 4 ms, a tree
+    step 30 ms at 0.4x plain's rate (fixed 2 at 0.6x): what a benchmark's
+    short rounds at high load look like. A new bucket has no exploring
+    budget banked, so one tree trial runs and the rest wait until exploring
+    has earned back what it lost: at least 93 % of plain's rate. With
+    ``trial_seconds`` banked from the start, the cold start's tree trials
+    take a quarter of the time (below 87 %)."""
+    def delivered(start_credit, seed):
+        rng = random.Random(seed)
+        tuner = RateTuner(64, start_credit=start_credit)
+        per_req = {a.name: 250.0 if not a.drafts else 150.0 if a.name == "fixed2" else 100.0
+                   for a in tuner.arms}
+        clock = tokens = 0.0
+        while clock < 1.25:
+            arm = tuner.arm(16)
+            tok = 16 * (3 if arm.drafts else 1)
+            sec = tok / (16 * per_req[arm.name]) * (1 + 0.05 * (2 * rng.random() - 1))
+            tuner.observe(16, tok, sec)
+            clock += sec
+            tokens += tok
+        trees = [rec.arm for rec in tuner.history if rec.arm != "plain"]
+        return tokens / clock / (16 * 250.0), trees
+
+    for seed in range(3):
+        rate, trees = delivered(0.0, seed)
+        assert rate > 0.93, (seed, rate, trees)
+        assert len(trees) == 1, trees  # the one trial the cold start runs on credit
+        rate_banked, trees_banked = delivered(0.3, seed)
+        assert rate_banked < 0.87 and len(trees_banked) > 1, (seed, rate_banked, trees_banked)
+
+
 def test_the_step_back_to_the_incumbent_is_charged_to_exploring():
     """Under a plain incumbent, the first step after a tree trial still
     verifies the trees it drafted: a tree step. What it costs over a plain
@@ -570,14 +603,15 @@ def test_a_plain_incumbent_remeasures_the_trees_on_new_text():
     prompts, 0.3-0.7x on the next, and then plain for 7000 steps with no tree
     trial, since plain's own rate says nothing about the text). Once every
     request decoding is new since the trees' latest trial, one tree is
-    measured again: within a few easy prompts fixed 8 leads again, and the
-    easy prompts after that run at least 90 % of fixed 8's rate. Without the
-    admissions (the rule off) plain keeps the lead through the easy prompts."""
+    measured again: within a few easy prompts a tree leads again (fixed 8,
+    or fixed 4 at 0.9x of it on the way), and the easy prompts after that
+    run at least 90 % of fixed 8's rate. Without the admissions (the rule
+    off) plain keeps the lead through the easy prompts."""
     texts = [True] * 10 + [False] * 20 + [True] * 30
     for seed in range(4):
         out = _requests(RateTuner(8, with_model=False), texts, seed=seed)
         assert out[29][1] == Arm("plain"), seed  # the hard prompts: plain
-        back = next((i for i in range(30, 60) if out[i][1] == Arm("fixed", 8)), None)
+        back = next((i for i in range(30, 60) if out[i][1].drafts), None)
         assert back is not None and back <= 36, (seed, back)
         late = [rate for rate, _ in out[back + 2:]]
         assert sum(late) / len(late) > 0.9 * 200.0, (seed, late)
@@ -614,7 +648,8 @@ def test_trees_ahead_together_on_one_prompt_lead_on_their_pooled_comparisons():
 
     for ratios, leads in (({"fixed2": 1.5, "fixed4": 1.5, "fixed8": 1.5}, True),
                           ({"fixed2": 0.6, "fixed4": 1.5, "fixed8": 1.5}, False)):
-        tuner = RateTuner(8, trial_seconds=0.05, min_steps=4, with_model=False)
+        tuner = RateTuner(8, trial_seconds=0.05, min_steps=4, with_model=False,
+                          start_credit=0.05)  # (so that a tree behind does not stop the cold start)
         tried = [trial(tuner, ratios).name for _ in range(6)]
         assert tried == ["plain", "fixed4", "plain", "fixed2", "plain", "fixed8"], tried
         assert [r.arm for r in tuner.history] == tried  # one trial of each tree

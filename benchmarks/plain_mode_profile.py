@@ -43,13 +43,18 @@ PARTS = ("_ddtree_plain_step", "_ddtree_store_pending_context",
          "_ddtree_settle_pending_context", "_ddtree_step_clock", "take_draft_token_ids")
 # (module, class, method) of vLLM's phases of a step, timed with --engine-parts
 ENGINE_PARTS = (
-    [("vllm.v1.engine.core", "EngineCore", "step")]
+    [("vllm.v1.engine.llm_engine", "LLMEngine", "step"),
+     ("vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs"),
+     ("vllm.v1.engine.core", "EngineCore", "step"),
+     ("vllm.v1.engine.core", "EngineCore", "step_with_batch_queue"),
+     ("vllm.v1.engine.core", "EngineCore", "post_step"),
+     ("vllm.v1.core.sched.scheduler", "Scheduler", "update_draft_token_ids")]
     + [("vllm.v1.core.sched.scheduler", "Scheduler", m)
        for m in ("schedule", "update_from_output")]
     + [("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", m)
        for m in ("_prepare_inputs", "_preprocess", "_build_attention_metadata",
                  "_model_forward", "sample_tokens", "_sample", "propose_draft_token_ids")])
-STEP = "EngineCore.step"
+STEP = "LLMEngine.step"  # one per engine step, with or without async scheduling
 
 
 def _timed(cls, name: str, acc: dict, label: str | None = None) -> None:
@@ -74,7 +79,7 @@ def run_one(config: str, arm: str, c: int, warmup: int, batches: int,
     from benchmarks.bench_default import arms, configuration
     from benchmarks.run_llm import humaneval_prompts
 
-    job = arms(configuration(config))[arm]
+    job = arms(configuration(config), plain_sync=True)[arm]
     os.environ.update({k: str(v) for k, v in job["env"].items()})
     acc: dict[str, tuple[int, float]] = {}
     rows = [0]
@@ -88,8 +93,12 @@ def run_one(config: str, arm: str, c: int, warmup: int, batches: int,
         from vllm_ddtree.proposer import DDTreeProposer
 
         tuner.RateTuner.arm = lambda self, num_reqs: self.arms[0]  # plain, always
+        from vllm_ddtree.core.pending_context import PendingContext
+
         for name in PARTS:
             _timed(runner_mod.DDTreeRunnerMixin, name, acc)
+        for name in ("add", "compact"):  # inside the plain step's bookkeeping
+            _timed(PendingContext, name, acc, f"PendingContext.{name}")
         store = DDTreeProposer.store_context
 
         def counted(self, hidden, positions, slots):
@@ -155,6 +164,9 @@ def main() -> int:
     ap.add_argument("--batches", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=2,
                     help="runs per arm, alternating default and plain")
+    ap.add_argument("--plain-sync", action="store_true",
+                    help="compare with plain decoding without vLLM's asynchronous "
+                         "scheduling (DDTree turns it off), not vLLM's default")
     ap.add_argument("--engine-parts", action="store_true",
                     help="also time vLLM's phases of a step; print a table per step")
     ap.add_argument("--out", help="JSON: every run")
@@ -170,8 +182,9 @@ def main() -> int:
                                                  args.engine_parts)))
         return 0
     runs = []
+    plain_arm = "plain_sync" if args.plain_sync else "plain"
     for r in range(args.repeats):
-        for arm in ("default", "plain"):
+        for arm in ("default", plain_arm):
             with tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp) / "run.json"
                 cmd = [sys.executable, "-m", "benchmarks.plain_mode_profile",
@@ -184,6 +197,7 @@ def main() -> int:
                     sys.stderr.write(out.stdout[-2000:] + out.stderr[-4000:])
                     raise SystemExit(f"the {arm} run failed ({out.returncode})")
                 res = json.loads(path.read_text())
+            res["arm"] = "plain" if arm == plain_arm else arm  # the tables' column
             runs.append(res)
             line = f"{arm}: {res['tok_s']:.0f} tokens/s"
             if res["parts"]:

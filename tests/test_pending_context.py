@@ -259,6 +259,7 @@ def test_rows_that_stay_pending_are_copied_a_few_times(monkeypatch):
         copied[0] += len(out[2])
         return out
     monkeypatch.setattr(pc, "joined_rows", counted)
+    monkeypatch.setattr(pc, "MAX_STEPS", 256)  # the same shape, in fewer steps
     pending = pc.PendingContext(BLOCK)
     rows = 64 * pc.MAX_STEPS
     _one_row_steps(pending, 0, rows)

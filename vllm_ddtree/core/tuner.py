@@ -115,7 +115,7 @@ New text (``admit``)
 
 Exploring is paid for, per bucket, from a budget of engine time
     A bucket starts with ``start_credit`` of budget (none by default); every
-    step in it earns ``explore_share`` (3 %) of the step's seconds, up to
+    step in it earns ``explore_share`` (2 %) of the step's seconds, up to
     ``trial_seconds`` banked; every trial of an arm other than the incumbent spends what it
     lost against it: its steps' seconds (the uncounted ones too) times
     ``1 - rate / incumbent``, nothing for an arm at least as fast, and what
@@ -308,7 +308,7 @@ class RateTuner:
                  decay: float = 0.5, prune: float = 0.25, abandon: float = 0.5,
                  margin: float = 0.0, confidence: float = 1.0, noise: float = 0.08,
                  window: int = 6, min_comparisons: int = 3, clip: float = 3.0,
-                 explore_share: float = 0.03, with_model: bool = True,
+                 explore_share: float = 0.02, with_model: bool = True,
                  stale_seconds: float | None = None, start_credit: float = 0.0) -> None:
         if budget < 1:
             raise ValueError(f"RateTuner: budget must be >= 1, got {budget}")

@@ -198,6 +198,10 @@ def markdown(result: dict) -> str:
         lines.append(f"| {a} | " + " | ".join(row) + " |")
     lines.append("| default / best other | " + " | ".join(
         f"{cells[c]['default_over_best']:.2f}x" for c in concs) + " |")
+    if "plain_sync" in arms_:  # a diagnosis arm: the verdict's arms without it
+        lines.append("| default / best other but plain_sync | " + " | ".join(
+            f"{_over_best(cells[c]['tok_s'], skip=('plain_sync',)):.2f}x" for c in concs)
+            + " |")
     paired = all("paired_ratio" in cells[c] for c in concs)
     if paired:
         lines.append("| same, per round (median) | " + " | ".join(
@@ -216,6 +220,11 @@ def markdown(result: dict) -> str:
         lines.append("| default's steps by arm | " + " | ".join(
             _shares(cells[c]["default_arm_steps"]) for c in concs) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _over_best(med: dict[str, float], skip: tuple[str, ...] = ()) -> float:
+    """The default's rate over the best other arm's, leaving out ``skip``."""
+    return med["default"] / max(v for a, v in med.items() if a != "default" and a not in skip)
 
 
 def _per_round(cell: dict) -> list[float]:

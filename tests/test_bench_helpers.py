@@ -42,6 +42,19 @@ def test_the_table_shows_how_far_the_rounds_spread():
     assert rows["| best other, fastest / slowest round"].endswith("| 1.50x |")
 
 
+def test_with_plain_sync_the_table_also_judges_without_it():
+    """plain_sync is a diagnosis arm: the table adds the default over the
+    best of the other arms without it."""
+    cell = {"tok_s": {"plain": 100.0, "plain_sync": 120.0, "default": 105.0},
+            "best_other": "plain_sync", "default_over_best": 105.0 / 120.0}
+    rows = {line.split(" | ")[0]: line for line in markdown(
+        {"config": "x", "cells": {"1": cell}}).splitlines() if line.startswith("| ")}
+    assert rows["| default / best other"].endswith("| 0.88x |")
+    assert rows["| default / best other but plain_sync"].endswith("| 1.05x |")
+    del cell["tok_s"]["plain_sync"]
+    assert "but plain_sync" not in markdown({"config": "x", "cells": {"1": cell}})
+
+
 def test_tuner_arm_steps_come_from_the_engine_counters(tmp_path):
     names = ["plain", "fixed2", "model"]
     arms = _TunerArms(stats_file(str(tmp_path), 0), names)

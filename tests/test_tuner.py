@@ -639,7 +639,9 @@ def test_trees_ahead_together_on_one_prompt_lead_on_their_pooled_comparisons():
     prompt, each 1.5x plain: no tree has the three comparisons of its own a
     switch needs, but the text moves the trees together, and their pooled
     comparisons are ahead beyond their noise: the third tree takes over. With
-    one of the three at 0.6x the pooled comparisons disagree, and plain stays."""
+    one of the three at 0.6x the pooled comparisons disagree, and plain stays;
+    so it does when one tree at 2.2x lifts the mean of two behind (0.86x,
+    0.92x: dense_k7 at one request, one easy prompt)."""
     def trial(tuner, ratios):  # one trial of the arm the tuner picks, to its close
         arm, closed = tuner.arm(1), tuner.closed
         while tuner.closed == closed:
@@ -647,7 +649,8 @@ def test_trees_ahead_together_on_one_prompt_lead_on_their_pooled_comparisons():
         return arm
 
     for ratios, leads in (({"fixed2": 1.5, "fixed4": 1.5, "fixed8": 1.5}, True),
-                          ({"fixed2": 0.6, "fixed4": 1.5, "fixed8": 1.5}, False)):
+                          ({"fixed2": 0.6, "fixed4": 1.5, "fixed8": 1.5}, False),
+                          ({"fixed4": 0.86, "fixed2": 0.92, "fixed8": 2.19}, False)):
         tuner = RateTuner(8, trial_seconds=0.05, min_steps=4, with_model=False,
                           start_credit=0.05)  # (so that a tree behind does not stop the cold start)
         tried = [trial(tuner, ratios).name for _ in range(6)]

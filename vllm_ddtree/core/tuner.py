@@ -49,8 +49,8 @@ Choice, per batch-size bucket (1, 2-7, 8-31, 32-127, ...)
     weighing half at each newer one, as above), less ``confidence`` standard
     errors over their effective number (the spread taken as at least
     ``noise`` per comparison), passes ``log(1 + margin)`` (0 by default),
-    there are at least ``min_comparisons`` (3) of them, and its latest
-    comparison passes ``1 + margin``. Each comparison counts at most ``clip``
+    there are at least ``min_comparisons`` (3) of them, most of them are
+    ahead, and its latest comparison passes ``1 + margin``. Each comparison counts at most ``clip``
     (3x) either way. So neither its first trials alone, nor a mean inflated
     by one trial whose reference a busy machine slowed (on the 2-core machine
     one arm's consecutive trials at one request varied from 0.45x to 1x of
@@ -579,8 +579,8 @@ class RateTuner:
         number of comparisons, the spread taken as at least ``noise`` per
         comparison (two comparisons say little about their own spread)."""
         n = len(logs)
-        if n < max(self.min_comparisons, 2):
-            return False
+        if n < max(self.min_comparisons, 2) or 2 * sum(x > 0.0 for x in logs) <= n:
+            return False  # (most comparisons must be ahead: one far ahead lifts the mean)
         w = [self.decay ** (n - 1 - i) for i in range(n)]
         sw, sw2 = sum(w), sum(x * x for x in w)
         mean = sum(wi * x for wi, x in zip(w, logs)) / sw

@@ -49,9 +49,9 @@ Choice, per batch-size bucket (1, 2-7, 8-31, 32-127, ...)
     weighing half at each newer one, as above), less ``confidence`` standard
     errors over their effective number (the spread taken as at least
     ``noise`` per comparison), passes ``log(1 + margin)`` (0 by default),
-    there are at least ``min_comparisons`` (3) of them, most of them are
-    ahead, and its latest comparison passes ``1 + margin``. Each comparison counts at most ``clip``
-    (3x) either way. So neither its first trials alone, nor a mean inflated
+    there are at least ``min_comparisons`` (3) of them, most of them pass
+    ``1 + margin`` too, and so does its latest. Each comparison counts at
+    most ``clip`` (3x) either way. So neither its first trials alone, nor a mean inflated
     by one trial whose reference a busy machine slowed (on the 2-core machine
     one arm's consecutive trials at one request varied from 0.45x to 1x of
     each other, and one such comparison once put fixed B = 32 at 4.4x plain
@@ -116,8 +116,8 @@ New text (``admit``)
 Exploring is paid for, per bucket, from a budget of engine time
     A bucket starts with ``start_credit`` of budget (none by default); every
     step in it earns ``explore_share`` (2 %) of the step's seconds, up to
-    ``trial_seconds`` banked; every trial of an arm other than the incumbent spends what it
-    lost against it: its steps' seconds (the uncounted ones too) times
+    ``trial_seconds`` banked; every trial of an arm other than the incumbent
+    spends what it lost against it: its steps' seconds (the uncounted ones too) times
     ``1 - rate / incumbent``, nothing for an arm at least as fast, and what
     the incumbent's first step after it cost over the incumbent's own step
     (that step still verifies what the challenger drafted: under a plain
@@ -577,17 +577,19 @@ class RateTuner:
         regime that changed is followed within a few trials); the test is the
         weighted mean less ``confidence`` standard errors over the effective
         number of comparisons, the spread taken as at least ``noise`` per
-        comparison (two comparisons say little about their own spread)."""
+        comparison (two comparisons say little about their own spread), and
+        more than half of the comparisons must be ahead by ``margin`` too."""
         n = len(logs)
-        if n < max(self.min_comparisons, 2) or 2 * sum(x > 0.0 for x in logs) <= n:
-            return False  # (most comparisons must be ahead: one far ahead lifts the mean)
+        ahead = math.log1p(self.margin)
+        if n < max(self.min_comparisons, 2) or 2 * sum(x > ahead for x in logs) <= n:
+            return False  # (most must be ahead: one far ahead lifts the mean of several)
         w = [self.decay ** (n - 1 - i) for i in range(n)]
         sw, sw2 = sum(w), sum(x * x for x in w)
         mean = sum(wi * x for wi, x in zip(w, logs)) / sw
         n_eff = sw * sw / sw2
         var = sum(wi * (x - mean) ** 2 for wi, x in zip(w, logs)) / sw * n_eff / (n_eff - 1)
         spread = max(math.sqrt(var), self.noise)
-        return mean - self.confidence * spread / math.sqrt(n_eff) > math.log1p(self.margin)
+        return mean - self.confidence * spread / math.sqrt(n_eff) > ahead
 
     def _next_arm(self, b: int, num_reqs: int = 1) -> Arm:
         bucket = self._buckets.get(b)

@@ -459,37 +459,36 @@ def test_the_starting_budget_trades_short_loads_against_a_quick_cold_start():
     fixed 4 at 1.9x plain) and the model, the first challenger, is a little
     behind plain, the default has a tree leading within 3.5 s of engine
     time; starting empty, the model's debt holds plain for over 4 s."""
+    def steps(tuner, reqs, per_req, rng):  # (tokens, seconds) of each step
+        while True:
+            arm = tuner.arm(reqs)
+            tok = reqs * (3 if arm.drafts else 1)
+            sec = tok / (reqs * per_req[arm.name]) * (1 + 0.05 * (2 * rng.random() - 1))
+            tuner.observe(reqs, tok, sec)
+            yield tok, sec
+
     def delivered(start_credit, seed):
-        rng = random.Random(seed)
         tuner = RateTuner(64, start_credit=start_credit)
         per_req = {a.name: 250.0 if not a.drafts else 150.0 if a.name == "fixed2" else 100.0
                    for a in tuner.arms}
         clock = tokens = 0.0
-        while clock < 1.25:
-            arm = tuner.arm(16)
-            tok = 16 * (3 if arm.drafts else 1)
-            sec = tok / (16 * per_req[arm.name]) * (1 + 0.05 * (2 * rng.random() - 1))
-            tuner.observe(16, tok, sec)
-            clock += sec
-            tokens += tok
+        for tok, sec in steps(tuner, 16, per_req, random.Random(seed)):
+            clock, tokens = clock + sec, tokens + tok
+            if clock >= 1.25:
+                break
         trees = [rec.arm for rec in tuner.history if rec.arm != "plain"]
         return tokens / clock / (16 * 250.0), trees
 
     def first_tree_leads(start_credit, seed):
-        rng = random.Random(seed)
         tuner = RateTuner(64, start_credit=start_credit)
         per_req = {"plain": 36.0, "model": 33.0, "fixed2": 50.0, "fixed4": 70.0,
                    "fixed8": 66.0, "fixed16": 57.0, "fixed32": 43.0, "fixed64": 37.0}
         clock = 0.0
-        while clock < 30.0:
-            arm = tuner.arm(4)
-            tok = 4 * (3 if arm.drafts else 1)
-            sec = tok / (4 * per_req[arm.name]) * (1 + 0.05 * (2 * rng.random() - 1))
-            tuner.observe(4, tok, sec)
+        for _, sec in steps(tuner, 4, per_req, random.Random(seed)):
             clock += sec
-            if tuner.best(4) is not None and tuner.best(4).drafts:
+            best = tuner.best(4)
+            if (best is not None and best.drafts) or clock >= 30.0:
                 return clock
-        return clock
 
     for seed in range(3):
         rate, trees = delivered(0.0, seed)

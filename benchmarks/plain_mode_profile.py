@@ -47,10 +47,9 @@ ENGINE_PARTS = (
      ("vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs"),
      ("vllm.v1.engine.core", "EngineCore", "step"),
      ("vllm.v1.engine.core", "EngineCore", "step_with_batch_queue"),
-     ("vllm.v1.engine.core", "EngineCore", "post_step"),
-     ("vllm.v1.core.sched.scheduler", "Scheduler", "update_draft_token_ids")]
+     ("vllm.v1.engine.core", "EngineCore", "post_step")]
     + [("vllm.v1.core.sched.scheduler", "Scheduler", m)
-       for m in ("schedule", "update_from_output")]
+       for m in ("schedule", "update_from_output", "update_draft_token_ids")]
     + [("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", m)
        for m in ("_prepare_inputs", "_preprocess", "_build_attention_metadata",
                  "_model_forward", "sample_tokens", "_sample", "propose_draft_token_ids")])
@@ -90,11 +89,10 @@ def run_one(config: str, arm: str, c: int, warmup: int, batches: int,
     if arm == "default":
         from vllm_ddtree import runner as runner_mod
         from vllm_ddtree.core import tuner
+        from vllm_ddtree.core.pending_context import PendingContext
         from vllm_ddtree.proposer import DDTreeProposer
 
         tuner.RateTuner.arm = lambda self, num_reqs: self.arms[0]  # plain, always
-        from vllm_ddtree.core.pending_context import PendingContext
-
         for name in PARTS:
             _timed(runner_mod.DDTreeRunnerMixin, name, acc)
         for name in ("add", "compact"):  # inside the plain step's bookkeeping

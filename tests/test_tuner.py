@@ -529,6 +529,31 @@ def test_the_step_back_to_the_incumbent_is_charged_to_exploring():
         assert tuner.history[-1].arm == "plain" and tuner.history[-1].rate == pytest.approx(100.0)
 
 
+def test_a_trial_cut_short_where_a_batch_ends_pays_for_its_own_steps_only():
+    """A challenger's trial that the batch's end cuts short, before it could
+    be measured, is charged at the rate of its few counted steps, and its
+    uncounted steps (the first; one carrying the next prompts' prefill) at
+    its typical step: the prefill's own seconds are every arm's. Charged in
+    full for all its seconds, one such trial of a tree ahead of plain put the
+    heavy pair's cold start 0.2 s in debt."""
+    step_s = {"plain": 0.02, "fixed2": 0.04}
+    for tree_tokens, charged in ((4.0, 0.0), (1.0, 4 * 0.04 * 0.5)):
+        tuner = RateTuner(2, trial_seconds=0.3, min_steps=4, with_model=False)
+        arm, closed = tuner.arm(4), tuner.closed
+        while tuner.closed == closed:  # plain's trial, to its close
+            tuner.observe(4, 4.0, step_s[arm.name])
+        assert tuner.best(4) == Arm("plain")
+        assert tuner.arm(4).name == "fixed2"  # the cold start's next arm
+        credit = tuner._buckets[1].credit
+        steps = [(4.0, 0.04, True), (4.0, 0.5, False)]  # the first; a prefill
+        steps += [(4 * tree_tokens, 0.04, True)] * 2  # two counted tree steps
+        for tok, sec, counted in steps:
+            tuner.observe(4, tok, sec, counted=counted)
+            credit = min(credit + tuner.explore_share * sec, tuner.trial_seconds)
+        tuner.arm(1)  # the batch is down to one request: another bucket
+        assert tuner._buckets[1].credit == pytest.approx(credit - charged), tree_tokens
+
+
 def test_a_busy_spell_under_one_reference_trial_does_not_switch_the_incumbent():
     """A busy machine slows every arm threefold for 0.2-0.6 s now and then, a
     whole trial or two. Comparisons against a reference trial taken in such a

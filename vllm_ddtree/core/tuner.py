@@ -118,7 +118,8 @@ Exploring is paid for, per bucket, from a budget of engine time
     default); every step in it earns ``explore_share`` (2 %) of the step's
     seconds, up to ``trial_seconds`` banked; every trial of an arm other
     than the incumbent spends what it lost against it: its steps' seconds
-    (the uncounted ones too) times
+    (the uncounted ones, the first and those carrying a prefill, timed at the
+    arm's typical step: a prefill's own seconds are every arm's) times
     ``1 - rate / incumbent``, nothing for an arm at least as fast, and what
     the incumbent's first step after it cost over the incumbent's own step
     (that step still verifies what the challenger drafted: under a plain
@@ -293,7 +294,6 @@ class _Trial:
     counted: int = 0
     per_request: float = 0.0  # sum over counted steps of tokens / requests
     seconds: float = 0.0
-    elapsed: float = 0.0  # every step's seconds, the first and the uncounted ones too
     # counted steps' seconds by kind: the size of their verification (query
     # tokens, in powers of two) and whether the drafter ran; an arm that mixes
     # kinds of steps (the model's plain steps, drafting steps and tree steps)
@@ -395,7 +395,6 @@ class RateTuner:
         bucket = self._buckets[trial.bucket]
         bucket.credit = min(bucket.credit + self.explore_share * seconds, self.trial_seconds)
         trial.steps += 1
-        trial.elapsed += seconds
         if trial.steps == 1 and trial.arm.name == bucket.best and bucket.last != bucket.best:
             self._charge_switch_back(bucket, seconds)
         if trial.steps == 1 or not counted or seconds <= 0 or num_reqs <= 0:
@@ -439,13 +438,36 @@ class RateTuner:
         it has ``min_close`` counted steps; a new one starts in the new bucket."""
         if trial.counted >= self.min_close:
             self._close(trial)
-        else:  # too short to measure: charged at its arm's known rate, or in full
+        else:  # too short to measure: charged at its arm's known rate, or at
+            # the rate of its few counted steps (none: in full)
             bucket = self._buckets[trial.bucket]
             st = bucket.stats.get(trial.arm.name)
-            rel = st.rel if st is not None and st.rel is not None else 0.0
+            ref = bucket.stats[bucket.best].last if bucket.best is not None else None
+            if st is not None and st.rel is not None:
+                rel = st.rel
+            elif trial.counted and ref:
+                rel = self._rate(trial) / ref
+            else:
+                rel = 0.0
             if trial.arm.name != bucket.best:
-                bucket.credit -= trial.elapsed * max(0.0, 1.0 - rel)
+                bucket.credit -= self._spent(trial, st) * max(0.0, 1.0 - rel)
         self._trial = None
+
+    @staticmethod
+    def _spent(trial: _Trial, st: _ArmStats | None) -> float:
+        """The engine time a trial's arm spent: its counted steps at their
+        typical time, and each uncounted one (the first, which verifies the
+        previous arm's drafts, and those that carried a prefill) at the arm's
+        typical step, so that a prefill's own seconds, which every arm pays
+        alike, are not charged to exploring (a trial cut short where a batch
+        ended and the next one's prompts came in would otherwise pay for
+        them in full). Uncounted steps of an arm never timed cost nothing."""
+        counted = _typical_seconds(trial)
+        if trial.counted:
+            per_step = counted / trial.counted
+        else:
+            per_step = st.step if st is not None else 0.0
+        return counted + (trial.steps - trial.counted) * per_step
 
     @staticmethod
     def _charge_switch_back(bucket: _Bucket, seconds: float) -> None:
@@ -516,7 +538,7 @@ class RateTuner:
         if bucket.best is not None and bucket.best != name:
             # exploring's cost: the time this trial lost against the incumbent
             ref = bucket.stats[bucket.best].last
-            bucket.credit -= trial.elapsed * max(0.0, 1.0 - rate / ref) if ref else 0.0
+            bucket.credit -= self._spent(trial, st) * max(0.0, 1.0 - rate / ref) if ref else 0.0
         ratio = self._compare(bucket, name, st, rate, trial.seconds)
         n = max(trial.counted, 1)
         self.history.append(TrialRecord(trial.bucket, name, rate, trial.counted,

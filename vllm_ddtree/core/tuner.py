@@ -135,11 +135,12 @@ Exploring is paid for, per bucket, from a budget of engine time
     trees that cost several plain steps each (at 16 requests on the 2-core
     machine a round of a benchmark lasted 0.25 s, and one tree trial in each
     took 7 % of the steps and 30-40 % of the time); but where trees win and
-    the first challenger (the model) loses a little, or a trial is cut short
-    where a batch ends, its debt holds the cold start at the incumbent
-    (the heavy pair at four requests ran plain through 25 trials while
-    fixed 4 delivered 1.46x plain). One trial's length lets the cold start
-    run on.
+    the first challenger (the model) loses a little, its debt holds the
+    cold start at the incumbent (the heavy pair at four requests ran plain
+    through 25 trials while fixed 4 delivered 1.46x plain). One trial's
+    length lets the cold start run on. A trial cut short, too short to
+    measure, is charged at its arm's known relative rate or at that of its
+    few counted steps.
 
 The tuner holds no tensors and imports nothing from vLLM.
 """

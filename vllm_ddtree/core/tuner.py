@@ -634,12 +634,25 @@ class RateTuner:
             # is undone the sooner)
             name, bucket.recheck = bucket.recheck[0], None
             return self._by_name[name]
-        if bucket.best is not None and (bucket.credit < 0.0 or bucket.last != bucket.best):
-            # the incumbent while exploring's budget is spent (until it is
-            # earned back), and between two challengers: each is compared
-            # with a trial of its own, so one reference that a busy machine
-            # slowed or sped up neither lifts nor buries every arm tried
-            # after it (nor gives one challenger several comparisons against it)
+        if bucket.best is not None and bucket.last != bucket.best:
+            # the incumbent between two challengers: each is compared with a
+            # trial of its own, so one reference that a busy machine slowed
+            # or sped up neither lifts nor buries every arm tried after it
+            # (nor gives one challenger several comparisons against it)
+            return self._by_name[bucket.best]
+        if bucket.best is not None and bucket.credit < 0.0:
+            # exploring's budget is spent: the incumbent, until it is earned
+            # back, but for the challenger measured furthest ahead of it
+            # (beyond the noise of one comparison), whose trials are expected
+            # to lose nothing: its next comparisons decide the switch
+            # (on the heavy pair at four requests, fixed 8 measured once at
+            # 1.49x plain waited through three rounds of a benchmark while
+            # the debt of a fixed 32 trial was earned back)
+            ahead = max((n for n, st in bucket.stats.items()
+                         if n != bucket.best and st.rel is not None), default=None,
+                        key=lambda n: bucket.stats[n].rel)
+            if ahead is not None and bucket.stats[ahead].rel > 1.0 + self.noise:
+                return self._by_name[ahead]
             return self._by_name[bucket.best]
         # cold start: every arm once, unless the measured best already beats
         # the arm's neighbours on the ladder by more than `prune`
@@ -710,16 +723,20 @@ class RateTuner:
 
     def _dominated(self, bucket: _Bucket, name: str) -> bool:
         """A fixed arm not worth a cold-start trial: its ladder neighbours
-        both measured far (more than ``prune``) below the best, or a fixed
-        arm between it and the best-measured fixed arm did (the rate of a
-        budget is taken to rise to one peak and fall: past an arm far below
-        the best, budgets further out are further below). Plain and the model
-        are always tried: plain skips the drafter, so its neighbour on the
-        ladder says little about it."""
+        both measured far (more than ``prune``) below the best measured rate
+        (the incumbent's, or a challenger's already measured ahead of it), or
+        a fixed arm between it and the best-measured fixed arm did (the rate
+        of a budget is taken to rise to one peak and fall: past an arm far
+        below the best, budgets further out are further below). Plain and
+        the model are always tried: plain skips the drafter, so its neighbour
+        on the ladder says little about it."""
         if self._by_name[name].kind != "fixed":
             return False
-        floor = 1 - self.prune  # relative rates: the best's is 1
         rate = {n: st.rel for n, st in bucket.stats.items() if st.rel is not None}
+        # relative rates: the incumbent's is 1 (the heavy pair at four
+        # requests: fixed 8 at 1.49x plain, then fixed 16 at 0.94x, and
+        # fixed 32, past it, ran at 0.41x)
+        floor = (1 - self.prune) * max([1.0, *rate.values()])
         nbrs = [n for n in self._ladder_neighbours(name) if self._by_name[n].kind == "fixed"]
         if nbrs and all(n in rate for n in nbrs) and max(rate[n] for n in nbrs) < floor:
             return True

@@ -78,8 +78,9 @@ Choice, per batch-size bucket (1, 2-7, 8-31, 32-127, ...)
     slowed reference.
     A new bucket first tries the arms once each: plain, the model, then the
     budget ladder from its middle outwards, skipping a fixed arm that lies
-    beyond one measured more than ``prune`` below the best (budgets are taken
-    to rise to one peak and fall) or whose neighbours both did. A trial of an
+    beyond one measured more than ``prune`` below the best measured rate
+    (the incumbent's, or a challenger's measured ahead of it: budgets are
+    taken to rise to one peak and fall) or whose neighbours both did. A trial of an
     arm other than the best ends as soon as it is clearly behind: below
     ``abandon`` times the best after ``min_close`` counted steps, with a gap
     that narrows as one over the square root of its steps (0.75 after four
@@ -125,7 +126,9 @@ Exploring is paid for, per bucket, from a budget of engine time
     (that step still verifies what the challenger drafted: under a plain
     incumbent, a tree step). While the budget is spent (below
     zero) the incumbent runs instead of the next cold-start arm or the arm
-    the bound picks (the re-check of a replaced incumbent still runs). So
+    the bound picks (the re-check of a replaced incumbent still runs, and so
+    does the challenger measured furthest ahead of the incumbent, if by more
+    than ``noise``: its trials are expected to lose nothing). So
     the trees tried at a load where a tree step costs twenty plain steps
     leave a debt that exploitation pays off before the next such trial, and
     what exploring loses is a bounded share of engine time whatever an

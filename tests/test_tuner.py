@@ -377,7 +377,8 @@ def test_one_outlier_comparison_neither_switches_nor_buries_the_incumbent():
     machine: fixed32 at 4.36x plain at one request, where it delivers 0.7x)
     does not make the challenger the incumbent, and a switch that comparisons
     did make is checked at once: the replaced incumbent runs again right after
-    the new one's next trial."""
+    the new one's next trial (and again, if the load's end cut that trial
+    short)."""
     def trial(tuner, seconds_per_step):
         arm, closed = tuner.arm(1), tuner.closed
         while tuner.closed == closed:
@@ -408,6 +409,20 @@ def test_one_outlier_comparison_neither_switches_nor_buries_the_incumbent():
     assert trial(tuner, 0.01 / 1.3) == fixed2
     assert trial(tuner, 0.01) == Arm("plain")
     assert tuner.history[-1].ratio == pytest.approx(1 / 1.3, rel=1e-6)
+    # a re-check that the load's end cuts short runs again when it comes back
+    tuner = RateTuner(2, trial_seconds=0.05, min_steps=4, with_model=False)
+    assert trial(tuner, 0.01) == Arm("plain")
+    for _ in range(3):
+        until(tuner, fixed2, arm_s=0.01 / 1.3)
+    assert trial(tuner, 0.01 / 1.3) == fixed2
+    assert tuner.arm(1) == Arm("plain")  # the re-check begins ...
+    tuner.observe(1, 1.0, 0.01)
+    tuner.observe(1, 1.0, 0.01)
+    tuner.arm(4)  # ... and the load moves to another bucket
+    closed = tuner.closed
+    assert trial(tuner, 0.01) == Arm("plain")  # back: the re-check again
+    assert tuner.closed == closed + 1 and tuner.history[-1].arm == "plain"
+    assert tuner.arm(1) == fixed2  # done: the incumbent runs
 
 
 def test_exploring_loses_a_bounded_share_where_tree_steps_cost_many_plain_steps():

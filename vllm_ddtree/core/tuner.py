@@ -529,6 +529,8 @@ class RateTuner:
         for st in bucket.stats.values():
             st.weight *= self.discount
         name = trial.arm.name
+        if bucket.recheck is not None and bucket.recheck[0] == name:
+            bucket.recheck = None  # the replaced incumbent's re-check, done
         st = bucket.stats.setdefault(name, _ArmStats())
         st.recent = (st.recent + [rate])[-3:]
         st.at = self._clock
@@ -634,9 +636,11 @@ class RateTuner:
         if bucket.recheck is not None and bucket.stats[bucket.best].trials > bucket.recheck[1]:
             # a new incumbent has run once more: the one it replaced runs
             # next, compared with that fresh trial (a switch that noise made
-            # is undone the sooner)
-            name, bucket.recheck = bucket.recheck[0], None
-            return self._by_name[name]
+            # is undone the sooner); until that trial closes (one that the
+            # load's end cut short runs again: on the hybrid at four
+            # requests fixed 32 took over on easy text at a round's end and,
+            # its re-check cut short, led through two rounds at 0.3-0.8x plain)
+            return self._by_name[bucket.recheck[0]]
         if bucket.best is not None and bucket.last != bucket.best:
             # the incumbent between two challengers: each is compared with a
             # trial of its own, so one reference that a busy machine slowed

@@ -276,13 +276,20 @@ def plot(results: list[dict], out: str) -> None:
 
     fig, axes = plt.subplots(1, len(results), figsize=(4.4 * len(results), 3.8))
     axes = [axes] if len(results) == 1 else list(axes)
+    # one colour per arm in every panel (a configuration run without an arm,
+    # such as plain_sync, must not shift the others' colours)
+    names = [a for res in results for a in next(iter(res["cells"].values()))["tok_s"]]
+    colour = {a: f"C{i}" for i, a in enumerate(dict.fromkeys(n for n in names if n != "default"))}
+    colour["default"] = "black"
+    handles = {}
     for ax, res in zip(axes, results):
         concs = [int(c) for c in res["cells"]]
         arms_ = list(next(iter(res["cells"].values()))["tok_s"])
         for a in arms_:
             ys = [res["cells"][c if c in res["cells"] else str(c)]["tok_s"][a] for c in concs]
-            style = dict(linewidth=2.6, color="black") if a == "default" else dict(linewidth=1)
-            ax.plot(concs, ys, marker="o", markersize=3, label=a, **style)
+            width = 2.6 if a == "default" else 1
+            (handles[a],) = ax.plot(concs, ys, marker="o", markersize=3, label=a,
+                                    color=colour[a], linewidth=width)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(concs, [str(c) for c in concs])
@@ -290,7 +297,7 @@ def plot(results: list[dict], out: str) -> None:
         ax.set_title(res["config"])
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("output tokens/s")
-    axes[-1].legend(fontsize=7)
+    axes[-1].legend(handles=[handles[a] for a in colour if a in handles], fontsize=7)
     fig.suptitle("DDTree's default against every arm (CPU, offline, interleaved)", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=120)

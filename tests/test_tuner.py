@@ -66,6 +66,19 @@ RATES = {"plain": 100.0, "fixed2": 150.0, "fixed4": 180.0, "fixed8": 200.0, "fix
          "model": 160.0}
 
 
+def _steps(tuner, reqs, per_req, rng, tokens_per_step=None):
+    """Endless steps at a fixed load: the arm the tuner picks commits
+    ``tokens_per_step[arm]`` tokens per request (default 3 for a drafting
+    arm, 1 for plain) at ``per_req[arm]`` tokens/s per request, +-5 %; each
+    step is reported to the tuner, then yielded as (tokens, seconds)."""
+    while True:
+        arm = tuner.arm(reqs)
+        per = tokens_per_step[arm.name] if tokens_per_step else 3 if arm.drafts else 1
+        sec = per / per_req[arm.name] * (1 + 0.05 * (2 * rng.random() - 1))
+        tuner.observe(reqs, reqs * per, sec)
+        yield reqs * per, sec
+
+
 def _oracle(rates, steps, arm, seed, skip=0):
     _, tokens, seconds = _run(None, lambda t, r: rates, steps, seed=seed, skip=skip, always=arm)
     return tokens / seconds
@@ -474,20 +487,12 @@ def test_the_starting_budget_trades_short_loads_against_a_quick_cold_start():
     fixed 4 at 1.9x plain) and the model, the first challenger, is a little
     behind plain, the default has a tree leading within 3.5 s of engine
     time; starting empty, the model's debt holds plain for over 4 s."""
-    def steps(tuner, reqs, per_req, rng):  # (tokens, seconds) of each step
-        while True:
-            arm = tuner.arm(reqs)
-            tok = reqs * (3 if arm.drafts else 1)
-            sec = tok / (reqs * per_req[arm.name]) * (1 + 0.05 * (2 * rng.random() - 1))
-            tuner.observe(reqs, tok, sec)
-            yield tok, sec
-
     def delivered(start_credit, seed):
         tuner = RateTuner(64, start_credit=start_credit)
         per_req = {a.name: 250.0 if not a.drafts else 150.0 if a.name == "fixed2" else 100.0
                    for a in tuner.arms}
         clock = tokens = 0.0
-        for tok, sec in steps(tuner, 16, per_req, random.Random(seed)):
+        for tok, sec in _steps(tuner, 16, per_req, random.Random(seed)):
             clock, tokens = clock + sec, tokens + tok
             if clock >= 1.25:
                 break
@@ -499,7 +504,7 @@ def test_the_starting_budget_trades_short_loads_against_a_quick_cold_start():
         per_req = {"plain": 36.0, "model": 33.0, "fixed2": 50.0, "fixed4": 70.0,
                    "fixed8": 66.0, "fixed16": 57.0, "fixed32": 43.0, "fixed64": 37.0}
         clock = 0.0
-        for _, sec in steps(tuner, 4, per_req, random.Random(seed)):
+        for _, sec in _steps(tuner, 4, per_req, random.Random(seed)):
             clock += sec
             best = tuner.best(4)
             if (best is not None and best.drafts) or clock >= 30.0:
@@ -530,16 +535,13 @@ def test_a_tree_measured_ahead_is_not_held_back_by_exploring_debt():
     tokens_per_step = {"plain": 1.0, "model": 2.5, "fixed2": 2.0, "fixed4": 2.6,
                        "fixed8": 3.0, "fixed16": 3.3, "fixed32": 3.5, "fixed64": 3.6}
     for seed in range(3):
-        rng = random.Random(seed)
         tuner = RateTuner(64)
         clock = tokens = 0.0
         led = None
-        while clock < 20.0:
-            arm = tuner.arm(4)
-            per = tokens_per_step[arm.name]
-            sec = per / per_req[arm.name] * (1 + 0.05 * (2 * rng.random() - 1))
-            tuner.observe(4, 4 * per, sec)
-            clock, tokens = clock + sec, tokens + 4 * per
+        for tok, sec in _steps(tuner, 4, per_req, random.Random(seed), tokens_per_step):
+            clock, tokens = clock + sec, tokens + tok
+            if clock >= 20.0:
+                break
             best = tuner.best(4)
             if led is None and best is not None and best.drafts:
                 led = clock

@@ -753,3 +753,65 @@ def test_trees_ahead_together_on_one_prompt_lead_on_their_pooled_comparisons():
         assert tried == ["plain", "fixed4", "plain", "fixed2", "plain", "fixed8"], tried
         assert [r.arm for r in tuner.history] == tried  # one trial of each tree
         assert tuner.best(1) == (Arm("fixed", 8) if leads else Arm("plain")), ratios
+
+
+def _trial(tuner, ratios, reqs=1):
+    """One trial of the arm the tuner picks, to its close: every step takes
+    10 ms over the arm's rate relative to plain (``ratios``, 1 when absent)."""
+    arm, closed = tuner.arm(reqs), tuner.closed
+    while tuner.closed == closed:
+        tuner.observe(reqs, float(reqs), 0.01 / ratios.get(arm.name, 1.0))
+    return arm.name
+
+
+def test_the_cold_start_climbs_towards_the_better_budgets_first():
+    """The cold start tries the budget ladder from its middle outwards, but
+    once two budgets are measured, the side where the rate rose comes first:
+    a budget beyond one that fell would fall further (on the heavy pair at
+    four requests fixed 16 then fixed 8 came out ahead of plain, fixed 32
+    came next at 0.41x plain, and its debt stopped the cold start before
+    fixed 4, the best arm at 1.46x plain, was ever tried). Both ways: where
+    smaller trees are better, fixed 4 and fixed 2 follow fixed 8 and fixed 32
+    is never tried; where larger ones are, fixed 32 and fixed 64 follow
+    fixed 16 and fixed 8."""
+    smaller = {"fixed2": 1.3, "fixed4": 1.6, "fixed8": 1.4, "fixed16": 1.1,
+               "fixed32": 0.9, "fixed64": 0.7}
+    larger = {"fixed2": 0.8, "fixed4": 0.9, "fixed8": 1.1, "fixed16": 1.3,
+              "fixed32": 1.6, "fixed64": 1.5}
+    for ratios, first in ((smaller, ["fixed16", "fixed8", "fixed4", "fixed2"]),
+                          (larger, ["fixed16", "fixed8", "fixed32", "fixed64"])):
+        tuner = RateTuner(64, trial_seconds=0.05, min_steps=4, with_model=False,
+                          start_credit=0.05)
+        tried = [_trial(tuner, ratios) for _ in range(9)]
+        trees = [name for name in tried if name != "plain"]
+        assert trees[:4] == first, (ratios, tried)
+
+
+def test_new_text_remeasures_the_budgets_on_the_rising_side():
+    """Under a plain incumbent, new text re-measures one tree per turnover of
+    the batch, going round the trees on the rising side of the best budget
+    measured (every tree behind plain here: fixed 4 at 0.9x, fixed 2 and
+    fixed 8 beside it a little lower, larger budgets lower still). Budgets
+    past a fall are not re-measured while one on the rising side is due:
+    their trials are the ones most likely to lose (the heavy pair at four
+    requests re-measured fixed 16 on new text at 0.6x plain while fixed 4
+    was measured at 1.5x). Text that turns easy still finds them: each budget
+    re-measured ahead moves the rising side on (the easy prompts after hard
+    ones of ``test_a_plain_incumbent_remeasures_the_trees_on_new_text``)."""
+    ratios = {"fixed2": 0.85, "fixed4": 0.9, "fixed8": 0.8, "fixed16": 0.78,
+              "fixed32": 0.77, "fixed64": 0.76}
+    tuner = RateTuner(64, trial_seconds=0.05, min_steps=4, with_model=False,
+                      start_credit=0.05)
+    for _ in range(40):  # the cold start: every budget measured once
+        _trial(tuner, ratios)
+        if {rec.arm for rec in tuner.history} == {"plain", *ratios}:
+            break
+    assert {rec.arm for rec in tuner.history} == {"plain", *ratios}
+    cold = len(tuner.history)
+    for _ in range(150):
+        tuner.admit(1)  # a new request: new text
+        _trial(tuner, ratios)
+    later = [rec.arm for rec in list(tuner.history)[cold:] if rec.arm != "plain"]
+    assert tuner.best(1) == Arm("plain")
+    assert {"fixed2", "fixed4", "fixed8"} <= set(later)
+    assert sum(name in ("fixed16", "fixed32", "fixed64") for name in later) <= 2, later

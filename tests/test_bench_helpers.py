@@ -3,6 +3,8 @@ they measured (paired step ratios, the default's steps per arm)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks.bench_default import _shares, markdown
@@ -87,3 +89,24 @@ def test_bench_default_plain_sync_arm_is_plain_without_async_scheduling():
     assert jobs["plain_sync"]["speculative_config"] is None
     assert "async_scheduling" not in jobs["plain"]["llm"]
     assert "plain_sync" not in arms(configuration("dense"))
+
+
+def test_tuner_sim_orders_the_fixed_arms_as_its_regimes_say_and_reports_the_default(tmp_path,
+                                                                                     capsys):
+    """The simulated engines behind ``benchmarks/tuner_sim.py``: where tree
+    steps cost many plain steps, plain beats every fixed budget; on the
+    weight-bound regime with easy text, large budgets beat small ones. The
+    script writes one ratio per seed and regime."""
+    from benchmarks.tuner_sim import REGIMES, main, simulate
+
+    def rate(name, b):
+        return simulate(REGIMES[name], seed=1, fixed=b, horizon=3.0, start=0.5)[0]
+
+    assert all(rate("dense_c16", 0) > 1.5 * rate("dense_c16", b) for b in (4, 16, 64))
+    assert rate("easy_c1", 32) > 1.3 * rate("easy_c1", 4) > 1.3 * rate("easy_c1", 0)
+    out = tmp_path / "sim.json"
+    main(["--regimes", "dense_c16", "--seeds", "2", "--horizon", "2", "--start", "0.5",
+          "--out", str(out)])
+    assert "default / best" in capsys.readouterr().out
+    ratios = json.loads(out.read_text())["regimes"]["dense_c16"]["default_over_best"]
+    assert len(ratios) == 2 and all(0.3 < r < 1.2 for r in ratios)

@@ -775,10 +775,11 @@ def _trial(tuner, ratios, reqs=1):
 def test_the_cold_start_climbs_towards_the_better_budgets_first():
     """The cold start tries the budget ladder from its middle outwards, but
     once two budgets are measured, the side where the rate rose comes first:
-    a budget beyond one that fell would fall further (on the heavy pair at
-    four requests fixed 16 then fixed 8 came out ahead of plain, fixed 32
-    came next at 0.41x plain, and its debt stopped the cold start before
-    fixed 4, the best arm at 1.46x plain, was ever tried). Both ways: where
+    a budget beyond one that fell would fall further (in the simulated heavy
+    pair at four requests of ``benchmarks/tuner_sim.py``, fixed 16 near 0.8x
+    plain, fixed 8 near 1x, within ``prune`` of each other, then fixed 32 at
+    0.2-0.9x, and its debt held plain for seconds before fixed 4, the best
+    arm at 1.5x, was tried). Both ways: where
     smaller trees are better, fixed 4 and fixed 2 follow fixed 8 and fixed 32
     is never tried; where larger ones are, fixed 32 and fixed 64 follow
     fixed 16 and fixed 8."""
@@ -801,9 +802,9 @@ def test_new_text_remeasures_the_budgets_on_the_rising_side():
     measured (every tree behind plain here: fixed 4 at 0.9x, fixed 2 and
     fixed 8 beside it a little lower, larger budgets lower still). Budgets
     past a fall are not re-measured while one on the rising side is due:
-    their trials are the ones most likely to lose (the heavy pair at four
-    requests re-measured fixed 16 on new text at 0.6x plain while fixed 4
-    was measured at 1.5x). Text that turns easy still finds them: each budget
+    their trials are the ones most likely to lose (in the simulated heavy
+    pair at four requests, new text re-measured fixed 16 at 0.6x plain while
+    fixed 4 had been measured at 1.48x). Text that turns easy still finds them: each budget
     re-measured ahead moves the rising side on (the easy prompts after hard
     ones of ``test_a_plain_incumbent_remeasures_the_trees_on_new_text``)."""
     ratios = {"fixed2": 0.85, "fixed4": 0.9, "fixed8": 0.8, "fixed16": 0.78,

@@ -84,10 +84,12 @@ Choice, per batch-size bucket (1, 2-7, 8-31, 32-127, ...)
     taken to rise to one peak and fall) or whose neighbours both did; and
     the budgets on the rising side of the best fixed arm measured so far
     come first, those past one measured below it wait (past a fall a budget
-    falls further, and the larger ones' trials cost the most: on the heavy
-    pair at four requests fixed 16 and then fixed 8 came out ahead of plain,
-    fixed 32 came next at 0.41x, and its debt ended the cold start before
-    fixed 4, the best arm, was tried). A trial of an
+    falls further, and the larger ones' trials cost the most: in the
+    simulated heavy pair at four requests of ``benchmarks/tuner_sim.py``,
+    fixed 16 came out near 0.8x plain and fixed 8 near 1x, within ``prune``
+    of each other, so fixed 32 came next, at 0.2-0.9x, and the debt of its
+    trial held plain for seconds before fixed 4, the best arm at 1.5x, was
+    tried). A trial of an
     arm other than the best ends as soon as it is clearly behind: below
     ``abandon`` times the best after ``min_close`` counted steps, with a gap
     that narrows as one over the square root of its steps (0.75 after four
@@ -116,8 +118,8 @@ New text (``admit``)
     best budget (as in the cold start), and round the others only when none
     of those is due: a budget past a fall is the likeliest to lose, and text
     that turns easy still reaches it, each budget measured ahead moving the
-    rising side on (the heavy pair at four requests re-measured fixed 16 on
-    new text at 0.6x plain while fixed 4 stood at 1.5x). And since the text moves
+    rising side on (in the same simulation new text re-measured fixed 16 at
+    0.6x plain while fixed 4 had been measured at 1.5x). And since the text moves
     every tree together, a drafting challenger of a plain incumbent also
     passes the test above on the pooled paired log ratios of every drafting
     challenger's latest trials (the bucket's last ``window``, in order; its

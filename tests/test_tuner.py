@@ -79,6 +79,15 @@ def _steps(tuner, reqs, per_req, rng, tokens_per_step=None):
         yield reqs * per, sec
 
 
+def _trial(tuner, ratios, reqs=1):
+    """One trial of the arm the tuner picks, to its close: every step takes
+    10 ms over the arm's rate relative to plain (``ratios``, 1 when absent)."""
+    arm, closed = tuner.arm(reqs), tuner.closed
+    while tuner.closed == closed:
+        tuner.observe(reqs, float(reqs), 0.01 / ratios.get(arm.name, 1.0))
+    return arm.name
+
+
 def _oracle(rates, steps, arm, seed, skip=0):
     _, tokens, seconds = _run(None, lambda t, r: rates, steps, seed=seed, skip=skip, always=arm)
     return tokens / seconds
@@ -746,30 +755,15 @@ def test_trees_ahead_together_on_one_prompt_lead_on_their_pooled_comparisons():
     one of the three at 0.6x the pooled comparisons disagree, and plain stays;
     so it does when one tree at 2.2x lifts the mean of two behind (0.86x,
     0.92x: dense_k7 at one request, one easy prompt)."""
-    def trial(tuner, ratios):  # one trial of the arm the tuner picks, to its close
-        arm, closed = tuner.arm(1), tuner.closed
-        while tuner.closed == closed:
-            tuner.observe(1, 1.0, 0.01 / ratios.get(arm.name, 1.0))
-        return arm
-
     for ratios, leads in (({"fixed2": 1.5, "fixed4": 1.5, "fixed8": 1.5}, True),
                           ({"fixed2": 0.6, "fixed4": 1.5, "fixed8": 1.5}, False),
                           ({"fixed4": 0.86, "fixed2": 0.92, "fixed8": 2.19}, False)):
         tuner = RateTuner(8, trial_seconds=0.05, min_steps=4, with_model=False,
                           start_credit=0.05)  # (so that a tree behind does not stop the cold start)
-        tried = [trial(tuner, ratios).name for _ in range(6)]
+        tried = [_trial(tuner, ratios) for _ in range(6)]
         assert tried == ["plain", "fixed4", "plain", "fixed2", "plain", "fixed8"], tried
         assert [r.arm for r in tuner.history] == tried  # one trial of each tree
         assert tuner.best(1) == (Arm("fixed", 8) if leads else Arm("plain")), ratios
-
-
-def _trial(tuner, ratios, reqs=1):
-    """One trial of the arm the tuner picks, to its close: every step takes
-    10 ms over the arm's rate relative to plain (``ratios``, 1 when absent)."""
-    arm, closed = tuner.arm(reqs), tuner.closed
-    while tuner.closed == closed:
-        tuner.observe(reqs, float(reqs), 0.01 / ratios.get(arm.name, 1.0))
-    return arm.name
 
 
 def test_the_cold_start_climbs_towards_the_better_budgets_first():

@@ -361,6 +361,7 @@ class RateTuner:
         self.stale_seconds = 10 * trial_seconds if stale_seconds is None else stale_seconds
         self.arms = tuner_arms(budget, with_model)
         self._by_name = {a.name: a for a in self.arms}
+        self._ladder = [a.name for a in self.arms if a.kind == "fixed"]  # budgets, ascending
         self._buckets: dict[int, _Bucket] = {}
         self._trial: _Trial | None = None
         self._clock = 0.0  # engine time: the sum of every reported step's seconds
@@ -737,7 +738,7 @@ class RateTuner:
         """Plain first (the cheapest trial, and the rate every tree must beat),
         then the model, then the budget ladder from its middle outwards
         (``_next_arm`` takes the rising side first)."""
-        ladder = [a.name for a in self.arms if a.kind == "fixed"]
+        ladder = self._ladder
         mid = len(ladder) // 2
         order = [a.name for a in self.arms if a.kind != "fixed"] + [ladder[mid]]
         for d in range(1, len(ladder)):
@@ -764,7 +765,7 @@ class RateTuner:
         on the ladder says little about it."""
         if self._by_name[name].kind != "fixed":
             return False
-        rate = {n: st.rel for n, st in bucket.stats.items() if st.rel is not None}
+        rate = self._relative(bucket)
         # relative rates: the incumbent's is 1 (the heavy pair at four
         # requests: fixed 8 at 1.49x plain, then fixed 16 at 0.94x, and
         # fixed 32, past it, ran at 0.41x)
@@ -774,12 +775,17 @@ class RateTuner:
             return True
         return self._past_a_fall(bucket, name, floor)
 
+    @staticmethod
+    def _relative(bucket: _Bucket) -> dict[str, float]:
+        """The measured arms' relative rates (the incumbent's is 1)."""
+        return {n: st.rel for n, st in bucket.stats.items() if st.rel is not None}
+
     def _past_a_fall(self, bucket: _Bucket, name: str, floor: float | None = None) -> bool:
         """Whether a fixed arm between ``name`` and the best-measured fixed
         arm on the ladder measured below ``floor`` (a relative rate; None:
         below that best arm, any fall)."""
-        rate = {n: st.rel for n, st in bucket.stats.items() if st.rel is not None}
-        ladder = [a.name for a in self.arms if a.kind == "fixed"]
+        rate = self._relative(bucket)
+        ladder = self._ladder
         measured = [i for i, n in enumerate(ladder) if n in rate]
         if not measured or name not in ladder:
             return False

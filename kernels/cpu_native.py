@@ -1,9 +1,10 @@
 """The native CPU kernels (``tree_attention_cpu.c``): build, load, call.
 
-Three entry points: tree attention over vLLM's paged CPU cache
+Four entry points: tree attention over vLLM's paged CPU cache
 (:func:`tree_attention_native`), tree construction (:func:`build_tree_native`,
-the same trees as :func:`vllm_ddtree.core.tree.build_tree`) and KV compaction
-(:func:`move_slots_native`). The file is plain C with no Python or torch headers, so it compiles in a
+the same trees as :func:`vllm_ddtree.core.tree.build_tree`), KV compaction
+(:func:`move_slots_native`) and a Gated DeltaNet layer's tree verification,
+convolution and recurrence in one call (:func:`gdn_tree_native`). The file is plain C with no Python or torch headers, so it compiles in a
 second or two with the system C compiler (the one vLLM CPU's torch.compile
 needs anyway). It is built on first use into a per-user cache directory
 (``$VLLM_DDTREE_CACHE``, default ``~/.cache/vllm_ddtree``), under a name that
@@ -33,8 +34,8 @@ import torch
 from vllm_ddtree.kernels.fp8 import check_kv_quant
 from vllm_ddtree.kernels.reference import check_sinks, check_sliding_window
 
-__all__ = ["ENV_CACHE", "ENV_DISABLE", "NativeKernels", "build_tree_native", "load",
-           "move_slots_native", "tree_attention_native"]
+__all__ = ["ENV_CACHE", "ENV_DISABLE", "NativeKernels", "build_tree_native", "gdn_tree_native",
+           "load", "move_slots_native", "tree_attention_native"]
 
 ENV_CACHE = "VLLM_DDTREE_CACHE"
 ENV_DISABLE = "VLLM_DDTREE_NO_NATIVE"
@@ -81,9 +82,19 @@ class NativeKernels:
         move = lib.ddtree_move_slots
         move.argtypes = [p, i64, i64, i64, i64, i64, i64, p, p, i64]
         move.restype = ctypes.c_int
+        gdn = lib.ddtree_gdn_tree
+        gdn.argtypes = [p, i32, i64,  # x
+                        p, i32, i64, i64, i64, i64,  # conv buffer
+                        p, i32, p, i32, i64, i32,  # conv weight, bias, width, silu
+                        p, p, i32, p, i32, p, i32,  # a, b, A_log, dt_bias
+                        p, i32, i64, i64,  # ssm state
+                        p, p, p, i64, p, i64,  # parent, cu, idx, num_acc
+                        i64, i64, i64, i64, f32, p, i32, p, p, p]
+        gdn.restype = ctypes.c_int
         self.attention = attn
         self.build_tree = build
         self.move_slots = move
+        self.gdn_tree = gdn
         self._lib = lib
 
 
@@ -280,3 +291,91 @@ def move_slots_native(lib: NativeKernels, caches: list[torch.Tensor], src_slots:
     if status != 0:
         raise ValueError({-2: "a slot is outside the cache"}.get(
             status, f"status {status}") + " (move_slots_native)")
+
+
+_GDN_ERRORS = {
+    -1: "inconsistent sizes (dim must be 2 * H * K + HV * V, HV a multiple of H, K of 4, V of 16)",
+    -2: "cu_seqlens is not ascending from 0",
+    -3: "a sequence has more tokens than its state-index row or conv buffer holds",
+    -4: "num_accepted is outside 1 .. the state-index row (or past the conv buffer)",
+    -5: "a state index is outside the state cache",
+    -6: "a parent does not come before its child (or a sequence's first token is not "
+        "its root)",
+    -7: "out of memory",
+}
+_GDN_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_CONV_WIDTH = 64
+
+
+def _gdn_code(name: str, t: torch.Tensor) -> int:
+    if t.dtype not in _GDN_DTYPES or t.device.type != "cpu":
+        raise TypeError(f"gdn_tree_native: {name} must be a float32 or bfloat16 CPU tensor, "
+                        f"got {t.dtype} on {t.device}")
+    return _GDN_DTYPES[t.dtype]
+
+
+def gdn_tree_native(lib: NativeKernels, mixed_qkv: torch.Tensor, conv_buf: torch.Tensor,
+                    conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, silu: bool,
+                    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                    ssm_state: torch.Tensor, parent: torch.Tensor, cu_seqlens: torch.Tensor,
+                    state_indices: torch.Tensor, num_accepted: torch.Tensor,
+                    num_k_heads: int, head_k: int, head_v: int) -> torch.Tensor:
+    """One Gated DeltaNet layer's speculative tokens as trees, convolution and
+    recurrence in one native call; returns ``o[T, HV, V]`` (dtype of
+    ``mixed_qkv``) and updates ``conv_buf`` and ``ssm_state`` in place.
+
+    ``mixed_qkv`` ``[T, 2 H K + HV V]`` (q, k, v packed as vLLM's
+    ``rearrange_mixed_qkv`` splits them), ``conv_buf`` ``[slots, dim,
+    state_len]`` (any strides), ``conv_weight`` ``[dim, W]``, ``a``/``b``
+    ``[T, HV]``, ``ssm_state`` ``[slots, HV, K, V]`` (vLLM CPU's view; each slot
+    contiguous, any slot stride),
+    ``parent`` ``[T]`` local parents (-1: root), ``cu_seqlens`` ``[N + 1]``,
+    ``state_indices`` ``[N, S + 1]``, ``num_accepted`` ``[N]``. The semantics
+    are :func:`kernels.gdn_tree_reference.tree_conv_update_ref` and
+    ``tree_recurrent_update_ref`` (C source header)."""
+    x = mixed_qkv.contiguous()
+    total, dim = x.shape
+    width = conv_weight.shape[-1]
+    if not 2 <= width <= MAX_CONV_WIDTH:
+        raise ValueError(f"gdn_tree_native: conv width {width} outside 2..{MAX_CONV_WIDTH}")
+    if ssm_state.dim() != 4 or not ssm_state[0].is_contiguous():
+        raise TypeError("gdn_tree_native: ssm_state must be [slots, HV, K, V] with each slot "
+                        "contiguous")
+    num_slots, num_v_heads, k, v = ssm_state.shape
+    if (k, v) != (head_k, head_v):
+        raise ValueError(f"gdn_tree_native: ssm_state heads are {k}x{v}, expected "
+                         f"{head_k}x{head_v}")
+    w = conv_weight.reshape(dim, width).contiguous()
+    bias = None if conv_bias is None else conv_bias.contiguous()
+    a_c, b_c = a.contiguous(), b.contiguous()
+    if a_c.dtype != b_c.dtype:
+        b_c = b_c.to(a_c.dtype)
+    a_log, dtb = A_log.contiguous(), dt_bias.contiguous()
+    par = parent.to(torch.int32).contiguous()
+    cu = cu_seqlens.to(torch.int32).contiguous()
+    idx = state_indices.to(torch.int32).contiguous()
+    nacc = num_accepted.to(torch.int32).contiguous()
+    nseq = idx.shape[0]
+    if cu.numel() != nseq + 1 or nacc.numel() < nseq or par.numel() < total:
+        raise ValueError("gdn_tree_native: cu_seqlens, num_accepted and parent do not match "
+                         "the state-index rows and tokens")
+    out = torch.empty(total, num_v_heads, head_v, dtype=x.dtype)
+    scratch = torch.empty(total, dim, dtype=torch.float32)
+    gates = torch.empty(total, num_v_heads, 2, dtype=torch.float32)
+    tok_seq = torch.empty(total, dtype=torch.int32)
+    cb_slot, cb_dim, cb_col = conv_buf.stride()
+    status = lib.gdn_tree(
+        _ptr(x), _gdn_code("mixed_qkv", x), dim,
+        _ptr(conv_buf), _gdn_code("conv_buf", conv_buf), cb_slot, cb_dim, cb_col,
+        conv_buf.shape[-1],
+        _ptr(w), _gdn_code("conv_weight", w), None if bias is None else _ptr(bias),
+        0 if bias is None else _gdn_code("conv_bias", bias), width, int(bool(silu)),
+        _ptr(a_c), _ptr(b_c), _gdn_code("a", a_c), _ptr(a_log), _gdn_code("A_log", a_log),
+        _ptr(dtb), _gdn_code("dt_bias", dtb),
+        _ptr(ssm_state), _gdn_code("ssm_state", ssm_state), num_slots, ssm_state.stride(0),
+        _ptr(par), _ptr(cu), _ptr(idx), idx.shape[1], _ptr(nacc), nseq,
+        num_k_heads, num_v_heads, head_k, head_v, float(head_k ** -0.5),
+        _ptr(out), _gdn_code("out", out), _ptr(scratch), _ptr(gates), _ptr(tok_seq))
+    if status != 0:
+        raise ValueError(f"gdn_tree_native: {_GDN_ERRORS.get(status, f'status {status}')}")
+    return out

@@ -479,3 +479,327 @@ int ddtree_move_slots(void *const *caches, int64_t num_layers, int64_t elem_size
   free(buf);
   return 0;
 }
+
+/* ------------------------------------------------------------------------
+ * Gated DeltaNet tree verification on CPU: one layer's convolution and
+ * recurrence for every speculative token of a step, in one call. The
+ * semantics are those of kernels/gdn_tree_reference.py (tree_conv_update_ref
+ * with the CPU conv buffer, tree_recurrent_update_ref with vLLM CPU's state
+ * layout):
+ *
+ * - token t of sequence i (tokens cu[i] .. cu[i+1]-1, local index j, local
+ *   parent parent[t], -1 for the root, parents before children) convolves
+ *   the last W inputs on its root-to-t path; where the path is shorter the
+ *   window continues into the prior window, buffer columns off .. off+W-2 of
+ *   slot idx[i, 0], off = num_acc[i] - 1;
+ * - the buffer then holds the prior window less its oldest input in
+ *   columns 0 .. W-3 and input j in column W-2+j;
+ * - the recurrence starts from state slot idx[i, num_acc[i]-1]; a token
+ *   whose parent is not the token before it restarts from its parent's
+ *   stored state; every token's state is stored to slot idx[i, j]. Within a
+ *   run of consecutive tokens the state stays in fp32, as in vLLM's chain
+ *   kernel, so a chain-shaped tree is the chain.
+ *
+ * Per value head hv (key head hv / (HV / H)), per token, in fp32:
+ *   q, k l2-normalised (eps 1e-6), q scaled; g = -exp(A_log) *
+ *   softplus(a + dt_bias) (threshold 20); beta = sigmoid(b);
+ *   h *= exp(g); u = (v - h^T k) * beta; h += k u^T; o = h^T q
+ * with h[K][V] per head, the layout vLLM CPU's kernel reads.
+ *
+ * Dtype codes: 0 = float32, 1 = bfloat16. The convolution accumulates in
+ * fp32 and rounds as the stock path does: to the conv buffer's dtype before
+ * and after the activation, then to the input's dtype (the recurrence reads
+ * q, k, v in that dtype); stored states are rounded to the state's dtype
+ * (to nearest even).
+ * The state's slots are ssm_slot elements apart, each [HV, K, V] contiguous.
+ * scratch: float32 [T, dim]; gates: float32 [T, HV, 2]; tok_seq: int32 [T].
+ * K must be a multiple of 4, V of 16. Returns 0, or a negative value on bad input.
+ * ---------------------------------------------------------------------- */
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; branch-free */
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  const uint32_t rounded = u + 0x7fffu + ((u >> 16) & 1u);
+  const uint32_t r = (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x400000u) : rounded; /* NaN */
+  return (uint16_t)(r >> 16);
+}
+
+static inline float ld_dt(const void *p, int64_t i, int dt) {
+  return dt ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void st_dt(void *p, int64_t i, int dt, float v) {
+  if (dt)
+    ((uint16_t *)p)[i] = f32_to_bf16(v);
+  else
+    ((float *)p)[i] = v;
+}
+
+static inline float round_dt(float v, int dt) { return dt ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+#define GDN_BV 16 /* value columns per recurrence tile: one v16f */
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+static inline v16f load_bf16x16(const uint16_t *p) {
+  v16h x;
+  memcpy(&x, p, sizeof x);
+  return (v16f)(__builtin_convertvector(x, v16u) << 16);
+}
+
+static inline v16f round_bf16x16(v16f f) { /* to bf16 and back */
+  const v16u u = (v16u)f;
+  const v16u rounded = u + 0x7fffu + ((u >> 16) & 1u);
+  const v16i nan = (v16i)((u & 0x7fffffffu) > 0x7f800000u);
+  const v16u r = ((v16u)nan & (u | 0x400000u)) | (~(v16u)nan & rounded);
+  return (v16f)((r >> 16) << 16);
+}
+
+static inline v16f load16_dt(const void *p, int dt) {
+  if (dt) return load_bf16x16(p);
+  v16f v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+/* exp(x) on 16 lanes, x clamped to [-87, 88] (as exp_nonpos8, both signs) */
+static inline v16f exp16(v16f x) {
+  const v16f lo = (v16f){0.f} - 87.f, hi = (v16f){0.f} + 88.f;
+  const v16i below = x < lo, above = x > hi;
+  x = (v16f)((below & (v16i)lo) | (~below & (v16i)x));
+  x = (v16f)((above & (v16i)hi) | (~above & (v16i)x));
+  const v16f k = (x * 1.44269504088896341f + 12582912.f) - 12582912.f; /* round(x / ln 2) */
+  const v16f r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  v16f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  return p * (v16f)((__builtin_convertvector(k, v16i) + 127) << 23);
+}
+
+static inline void store_bf16x16(uint16_t *p, v16f f) {
+  const v16h x = __builtin_convertvector((v16u)round_bf16x16(f) >> 16, v16h);
+  memcpy(p, &x, sizeof x);
+}
+
+int ddtree_gdn_tree(
+    const void *x, int x_dt, int64_t dim,                   /* [T, dim] */
+    void *conv_buf, int cb_dt, int64_t cb_slot, int64_t cb_dim, int64_t cb_col,
+    int64_t state_len,
+    const void *conv_w, int w_dt, const void *conv_b, int bias_dt, int64_t width, int silu,
+    const void *a, const void *b, int ab_dt,                /* [T, HV] */
+    const void *A_log, int alog_dt, const void *dt_bias, int dtb_dt,
+    void *ssm, int ssm_dt, int64_t num_slots, int64_t ssm_slot, /* [slots, HV, K, V] */
+    const int32_t *parent, const int32_t *cu, const int32_t *idx, int64_t idx_cols,
+    const int32_t *num_acc, int64_t nseq,
+    int64_t H, int64_t HV, int64_t K, int64_t V, float scale,
+    void *out, int out_dt, float *scratch, float *gates, int32_t *tok_seq) {
+  if (width < 2 || H <= 0 || HV % H || K <= 0 || K % 4 || V <= 0 || V % GDN_BV ||
+      dim != 2 * H * K + HV * V)
+    return -1;
+  const int64_t T = nseq ? cu[nseq] : 0;
+  /* validate, and map every token to its sequence */
+  for (int64_t i = 0; i < nseq; ++i) {
+    const int64_t bos = cu[i], q = cu[i + 1] - cu[i];
+    if (q < 0 || bos < 0) return -2;
+    if (q == 0) continue;
+    if (q > idx_cols || width - 2 + q > state_len) return -3;
+    if (num_acc[i] < 1 || num_acc[i] > idx_cols || num_acc[i] - 1 + width - 1 > state_len)
+      return -4;
+    const int32_t *row = idx + i * idx_cols;
+    if (row[0] < 0 || row[0] >= num_slots || row[num_acc[i] - 1] < 0 ||
+        row[num_acc[i] - 1] >= num_slots)
+      return -5;
+    for (int64_t j = 0; j < q; ++j) {
+      const int32_t p = parent[bos + j];
+      if (j == 0 ? p != -1 : (p < 0 || p >= j)) return -6;
+      if (row[j] < 0 || row[j] >= num_slots) return -5;
+      tok_seq[bos + j] = (int32_t)i;
+    }
+  }
+  const int64_t hk = K * V, group = HV / H;
+
+  /* 1. every token's window along its path, convolved (reads the buffer
+   * only); the weights and bias as fp32 [W + 1][dim] */
+  float *wt = malloc((size_t)((width + 1) * dim) * sizeof(float));
+  if (!wt) return -7;
+  for (int64_t d = 0; d < dim; ++d) {
+    for (int64_t w = 0; w < width; ++w) wt[w * dim + d] = ld_dt(conv_w, d * width + w, w_dt);
+    wt[width * dim + d] = conv_b ? ld_dt(conv_b, d, bias_dt) : 0.f;
+  }
+  const int64_t cb_es = cb_dt ? 2 : 4;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t i = tok_seq[t], bos = cu[i];
+    const int64_t off = num_acc[i] - 1;
+    const char *slot = (const char *)conv_buf + (int64_t)idx[i * idx_cols] * cb_slot * cb_es;
+    const char *src[64]; /* element d of window entry w: src[w] + d * stride[w] */
+    int64_t stride[64];
+    int dt[64], from_x[64];
+    int contiguous = 1;
+    if (width > 64) continue; /* rejected by the wrapper */
+    int64_t cur = t - bos, m = width - 2;
+    for (int64_t w = width - 1; w >= 0; --w) {
+      from_x[w] = cur >= 0;
+      if (cur >= 0) {
+        src[w] = (const char *)x + (bos + cur) * dim * (x_dt ? 2 : 4);
+        stride[w] = 1;
+        dt[w] = x_dt;
+        cur = parent[bos + cur];
+      } else {
+        src[w] = slot + (off + m--) * cb_col * cb_es;
+        stride[w] = cb_dim;
+        dt[w] = cb_dt;
+        contiguous &= cb_dim == 1;
+      }
+    }
+    float *o = scratch + t * dim;
+    int64_t d = 0;
+    if (contiguous) {
+      for (; d + 16 <= dim; d += 16) {
+        v16f acc;
+        memcpy(&acc, wt + width * dim + d, sizeof acc);
+        for (int64_t w = 0; w < width; ++w) {
+          v16f in = load16_dt(src[w] + d * (dt[w] ? 2 : 4), dt[w]);
+          if (from_x[w] && cb_dt && !x_dt) in = round_bf16x16(in);
+          v16f wv;
+          memcpy(&wv, wt + w * dim + d, sizeof wv);
+          acc += wv * in;
+        }
+        if (cb_dt) acc = round_bf16x16(acc);
+        if (silu) {
+          acc = acc / (1.f + exp16(-acc));
+          if (cb_dt) acc = round_bf16x16(acc);
+        }
+        if (x_dt) acc = round_bf16x16(acc);
+        memcpy(o + d, &acc, sizeof acc);
+      }
+    }
+    for (; d < dim; ++d) {
+      float acc = wt[width * dim + d];
+      for (int64_t w = 0; w < width; ++w) {
+        float in = ld_dt(src[w], d * stride[w], dt[w]);
+        if (from_x[w]) in = round_dt(in, cb_dt);
+        acc += wt[w * dim + d] * in;
+      }
+      acc = round_dt(acc, cb_dt);
+      if (silu) acc = round_dt(acc / (1.f + expf(-acc)), cb_dt);
+      o[d] = round_dt(acc, x_dt);
+    }
+  }
+  free(wt);
+
+  /* 2. the buffer's write-back (ascending columns: each reads a later one) */
+  for (int64_t i = 0; i < nseq; ++i) {
+    const int64_t bos = cu[i], q = cu[i + 1] - cu[i];
+    if (q == 0) continue;
+    const int64_t off = num_acc[i] - 1;
+    const int64_t base = (int64_t)idx[i * idx_cols] * cb_slot;
+    for (int64_t d = 0; d < dim; ++d) {
+      for (int64_t c = 0; c < width - 2; ++c)
+        st_dt(conv_buf, base + d * cb_dim + c * cb_col, cb_dt,
+              ld_dt(conv_buf, base + d * cb_dim + (off + 1 + c) * cb_col, cb_dt));
+      for (int64_t j = 0; j < q; ++j)
+        st_dt(conv_buf, base + d * cb_dim + (width - 2 + j) * cb_col, cb_dt,
+              ld_dt(x, (bos + j) * dim + d, x_dt));
+    }
+  }
+
+  /* 3. per token and head: q, k l2-normalised (q scaled) in place in the
+   * scratch row, and the value head's decay and beta */
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    float *row_t = scratch + t * dim;
+    for (int64_t kh = 0; kh < 2 * H; ++kh) { /* q heads, then k heads */
+      float *x_h = row_t + kh * K, ss = 0.f;
+      for (int64_t e = 0; e < K; ++e) ss += x_h[e] * x_h[e];
+      const float r = (kh < H ? scale : 1.f) / sqrtf(ss + 1e-6f);
+      for (int64_t e = 0; e < K; ++e) x_h[e] *= r;
+    }
+    for (int64_t hv = 0; hv < HV; ++hv) {
+      const float xa = ld_dt(a, t * HV + hv, ab_dt) + ld_dt(dt_bias, hv, dtb_dt);
+      const float sp = xa <= 20.f ? log1pf(expf(xa)) : xa;
+      gates[2 * (t * HV + hv)] = expf(-expf(ld_dt(A_log, hv, alog_dt)) * sp);
+      gates[2 * (t * HV + hv) + 1] = 1.f / (1.f + expf(-ld_dt(b, t * HV + hv, ab_dt)));
+    }
+  }
+
+  /* 4. the recurrence: one task per (sequence, value head, tile of GDN_BV
+   * value columns); the tile's state, K x GDN_BV fp32, stays in L1 along
+   * the sequence's tokens */
+  const int64_t tiles = V / GDN_BV;
+  int status = 0;
+#pragma omp parallel
+  {
+    v16f *h = aligned_alloc(64, (size_t)K * sizeof(v16f));
+    if (!h) {
+#pragma omp atomic write
+      status = -7;
+    }
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < nseq * HV * tiles; ++task) {
+      if (!h) continue;
+      const int64_t i = task / (HV * tiles), hv = task / tiles % HV, v0 = task % tiles * GDN_BV;
+      const int64_t kh = hv / group, bos = cu[i], q = cu[i + 1] - cu[i];
+      if (q == 0) continue;
+      const int32_t *row = idx + i * idx_cols;
+      const int64_t es = ssm_dt ? 2 : 4;
+#define GDN_TILE(slot) ((char *)ssm + ((int64_t)(slot) * ssm_slot + hv * hk + v0) * es)
+      int32_t from = row[num_acc[i] - 1];
+      for (int64_t j = 0; j < q; ++j) {
+        const int64_t t = bos + j;
+        const int32_t p = parent[t];
+        if (j == 0 || p != j - 1) { /* (re)start from a stored state */
+          const char *src = GDN_TILE(j == 0 ? from : row[p]);
+          for (int64_t r = 0; r < K; ++r) h[r] = load16_dt(src + r * V * es, ssm_dt);
+        }
+        const float *qq = scratch + t * dim + kh * K;
+        const float *kk = scratch + t * dim + H * K + kh * K;
+        v16f vv;
+        memcpy(&vv, scratch + t * dim + 2 * H * K + hv * V + v0, sizeof vv);
+        const float decay = gates[2 * (t * HV + hv)], beta = gates[2 * (t * HV + hv) + 1];
+        /* h *= exp(g); kv = h^T k. K is a multiple of 4: four partial sums
+         * in registers, so the adds pipeline */
+        v16f kv0 = {0.f}, kv1 = {0.f}, kv2 = {0.f}, kv3 = {0.f};
+        for (int64_t r = 0; r < K; r += 4) {
+          h[r] *= decay;
+          h[r + 1] *= decay;
+          h[r + 2] *= decay;
+          h[r + 3] *= decay;
+          kv0 += h[r] * kk[r];
+          kv1 += h[r + 1] * kk[r + 1];
+          kv2 += h[r + 2] * kk[r + 2];
+          kv3 += h[r + 3] * kk[r + 3];
+        }
+        const v16f u = (vv - ((kv0 + kv1) + (kv2 + kv3))) * beta;
+        v16f o0 = {0.f}, o1 = {0.f}, o2 = {0.f}, o3 = {0.f};
+        char *dst = GDN_TILE(row[j]);
+        for (int64_t r = 0; r < K; r += 4) { /* h += k u^T; o = h^T q */
+          h[r] += kk[r] * u;
+          h[r + 1] += kk[r + 1] * u;
+          h[r + 2] += kk[r + 2] * u;
+          h[r + 3] += kk[r + 3] * u;
+          o0 += h[r] * qq[r];
+          o1 += h[r + 1] * qq[r + 1];
+          o2 += h[r + 2] * qq[r + 2];
+          o3 += h[r + 3] * qq[r + 3];
+        }
+        for (int64_t r = 0; r < K; ++r) { /* the node's state stored */
+          if (ssm_dt)
+            store_bf16x16((uint16_t *)dst + r * V, h[r]);
+          else
+            memcpy((float *)dst + r * V, &h[r], sizeof(v16f));
+        }
+        const v16f out_v = (o0 + o1) + (o2 + o3);
+        for (int e = 0; e < GDN_BV; ++e) st_dt(out, (t * HV + hv) * V + v0 + e, out_dt, out_v[e]);
+      }
+#undef GDN_TILE
+    }
+    free(h);
+  }
+  return status;
+}

@@ -16,9 +16,11 @@ The engine runs (each in its own process):
 * DDTree sampling at T = 0.8, top-k 5, top-p 0.95, rescored in fp32 for a
   randomized-PIT test on tokens past the first two.
 
-Kernel-level exactness (every node's conv output and state against vLLM's
-chain along the node's path, a chain-shaped tree against vLLM's chain bit for
-bit, and the commit) is in ``tests/test_gdn_tree_cpu.py``; a chain-shaped
+The engines run the native GDN tree kernel where it loads. Kernel-level
+checks are in ``tests/test_gdn_tree_cpu.py``: the torch path against vLLM's
+chain (every node's conv output and state along the node's path, a
+chain-shaped tree bit for bit, and the commit), the native kernel against
+the torch path within rounding; a chain-shaped
 DDTree engine gave the same tokens and acceptances as vLLM's DFlash chain on
 12/12 prompts (docs/results.md).
 """

@@ -81,10 +81,10 @@ def stock(layer, md, x, b, a, conv, ssm):
     return gdn_attention._spec_forward(layer, md, x, b, a, conv_view(conv), ssm, W, STATE_LEN)
 
 
-def ours(layer, md, x, b, a, conv, ssm, parent):
+def ours(layer, md, x, b, a, conv, ssm, parent, native=False):
     step = GDNTreeStep(torch.tensor(parent))
     return cpu_tree_spec_forward(step, layer, md, x, b, a, conv_view(conv), ssm, W,
-                                 layer.conv1d.weight.view(DIM, W)), step
+                                 layer.conv1d.weight.view(DIM, W), native=native), step
 
 
 def random_trees(rng, n, max_q=S + 1):
@@ -234,3 +234,146 @@ def test_commit_then_stock_step_equals_fresh_chain():
         differs |= not torch.equal(after_skipped[i * m:(i + 1) * m], fresh[-m:])
     assert differs, "skipping the commit should change the next step"
 
+
+
+# ---------------------------------------------------------------------------
+# The native path (kernels/tree_attention_cpu.c): one call per layer
+# ---------------------------------------------------------------------------
+
+def _native_or_skip():
+    from vllm_ddtree.kernels import cpu_native
+
+    if cpu_native.load() is None:
+        pytest.skip("the native CPU kernels are unavailable (no C compiler)")
+    return cpu_native
+
+
+# kernel against the torch path: the same values up to fp32 summation order
+# and, where bf16 rounding boundaries fall between the two, a few bf16 steps
+OUT_TOL = dict(atol=5e-4, rtol=1e-2)
+STATE_TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5),
+             torch.bfloat16: dict(atol=1e-3, rtol=2e-2)}  # a few bf16 steps
+
+
+def _random_case(seed, ssm_dtype, n=4, strided=False):
+    rng = random.Random(seed)
+    parent, qsl = random_trees(rng, n)
+    rows = list(range(n * (S + 1)))
+    rng.shuffle(rows)
+    num_acc = [rng.randint(1, S + 1) for _ in range(n)]
+    x, b, a = inputs(qsl[-1], seed=seed + 10)
+    conv, ssm = make_caches(len(rows) + 1, ssm_dtype, seed=seed + 20)
+    if strided:  # the engine's state is a view whose slots lie further apart
+        ssm = torch.stack([ssm, torch.full_like(ssm, float("nan"))], 1)[:, 0]
+        assert not ssm.is_contiguous()
+    return parent, qsl, rows, num_acc, (x, b, a), conv, ssm
+
+
+@pytest.mark.parametrize("ssm_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_native_tree_equals_torch_path(ssm_dtype, seed):
+    """Outputs and every node's stored state match the torch path (itself bit
+    for bit vLLM's chain along each path); the conv buffer is written
+    identically. A tree with one parent changed does not match: the
+    tolerances can tell trees apart."""
+    _native_or_skip()
+    layer = make_layer(seed)
+    parent, qsl, rows, num_acc, (x, b, a), conv0, ssm0 = _random_case(seed, ssm_dtype,
+                                                                       strided=seed == 2)
+    md = metadata(rows, qsl, num_acc)
+    conv_t, ssm_t = conv0.clone(), ssm0.clone()
+    if seed == 2:  # clone() compacts; keep the native run's state strided
+        ssm_n_base = torch.stack([ssm0.clone(), torch.full_like(ssm0, float("nan"))], 1)
+    out_t, step_t = ours(layer, md, x, b, a, conv_t, ssm_t, parent, native=False)
+    assert len(step_t.plan.waves) > 1  # real branching
+    conv_n, ssm_n = conv0.clone(), ssm0.clone()
+    if seed == 2:
+        ssm_n = ssm_n_base[:, 0]
+        assert not ssm_n.is_contiguous()
+    out_n, step_n = ours(layer, md, x, b, a, conv_n, ssm_n, parent, native=True)
+    if seed == 2:  # nothing written between the slots
+        assert torch.isnan(ssm_n_base[:, 1]).all()
+    assert out_n.dtype == out_t.dtype and out_n.shape == out_t.shape
+    torch.testing.assert_close(out_n, out_t, **OUT_TOL)
+    torch.testing.assert_close(ssm_n, ssm_t, **STATE_TOL[ssm_dtype])
+    assert torch.equal(conv_n, conv_t)
+    # what the commit needs was recorded
+    assert step_n.width == W and set(step_n.layers) == {layer.prefix}
+    assert step_n.spec_rows.tolist() == list(range(len(qsl) - 1))
+
+    # a branch moved to another parent changes what its subtree computes
+    moved = list(parent)
+    j = next(t for t in range(len(parent)) if parent[t] > 0)
+    moved[j] = parent[j] - 1
+    conv_m, ssm_m = conv0.clone(), ssm0.clone()
+    out_m, _ = ours(layer, md, x, b, a, conv_m, ssm_m, moved, native=True)
+    assert not torch.allclose(out_m[j].float(), out_t[j].float(), **OUT_TOL)
+
+
+def test_native_chain_matches_stock_chain():
+    """A chain-shaped tree through the native kernel: vLLM's own chain
+    verification, up to rounding."""
+    _native_or_skip()
+    rng = random.Random(5)
+    n = 3
+    layer = make_layer(4)
+    rows = list(range(n * (S + 1)))
+    rng.shuffle(rows)
+    qsl = [i * (S + 1) for i in range(n + 1)]
+    num_acc = [rng.randint(1, S + 1) for _ in range(n)]
+    x, b, a = inputs(qsl[-1], seed=6)
+    parent = [j - 1 for _ in range(n) for j in range(S + 1)]
+    conv1, ssm1 = make_caches(len(rows) + 2, torch.float32)
+    conv2, ssm2 = conv1.clone(), ssm1.clone()
+    md = metadata(rows, qsl, num_acc)
+    ref = stock(layer, md, x, b, a, conv1, ssm1)
+    out, _ = ours(layer, md, x, b, a, conv2, ssm2, parent, native=True)
+    torch.testing.assert_close(out, ref, **OUT_TOL)
+    torch.testing.assert_close(ssm2, ssm1, **STATE_TOL[torch.float32])
+    # the stock path rolls the whole buffer; the columns a later step reads agree
+    for i in range(n):
+        slot = rows[i * (S + 1)]
+        assert torch.equal(conv2[slot, : W - 2 + S + 1], conv1[slot, : W - 2 + S + 1])
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("parent", "parent does not come before its child"),
+    ("num_acc", "num_accepted is outside"),
+    ("slot", "state index is outside"),
+])
+def test_native_rejects_bad_input(bad, match):
+    _native_or_skip()
+    layer = make_layer(0)
+    parent, qsl, rows, num_acc, (x, b, a), conv, ssm = _random_case(3, torch.float32, n=2)
+    if bad == "parent":
+        parent = list(parent)
+        parent[1] = 1
+    elif bad == "num_acc":
+        num_acc = [0] + num_acc[1:]
+    else:
+        rows = list(rows)
+        rows[0] = ssm.shape[0]
+    with pytest.raises(ValueError, match=match):
+        ours(layer, metadata(rows, qsl, num_acc), x, b, a, conv, ssm, parent, native=True)
+
+
+def test_without_the_native_kernels_the_torch_path_runs(monkeypatch):
+    """``native=None`` falls back to the torch path when the kernels do not
+    load (bit for bit the stock chain), and ``native=True`` then refuses."""
+    from vllm_ddtree.kernels import cpu_native
+
+    monkeypatch.setitem(cpu_native._LOADED, "lib", None)
+    layer = make_layer(2)
+    n = 2
+    rows = list(range(n * (S + 1)))
+    qsl = [i * (S + 1) for i in range(n + 1)]
+    x, b, a = inputs(qsl[-1], seed=3)
+    parent = [j - 1 for _ in range(n) for j in range(S + 1)]
+    conv1, ssm1 = make_caches(len(rows), torch.float32)
+    conv2, ssm2 = conv1.clone(), ssm1.clone()
+    md = metadata(rows, qsl, [1] * n)
+    ref = stock(layer, md, x, b, a, conv1, ssm1)
+    out, _ = ours(layer, md, x, b, a, conv2, ssm2, parent, native=None)
+    assert torch.equal(out, ref) and torch.equal(ssm2, ssm1)
+    with pytest.raises(RuntimeError, match="native CPU kernels are unavailable"):
+        ours(layer, md, x, b, a, conv2, ssm2, parent, native=True)

@@ -6,10 +6,13 @@ The algorithm and its index plan are in ``vllm_ddtree/core/gdn_tree.py``. Here:
   local parent of every token row, the plan (built at the first GDN layer and
   shared by the rest), and what the commit and the first-step guard need;
 * :func:`cpu_tree_spec_forward`, which replaces vLLM CPU's speculative GDN
-  forward (``patches/gdn_tree.py``) while a step is active: the conv windows
-  gathered along each node's path and run through the same ``F.conv1d`` as
-  the stock path, and the recurrence through vLLM's own C++ kernel
-  (``fused_sigmoid_gating_delta_rule_update_spec_cpu``), one call per wave;
+  forward (``patches/gdn_tree.py``) while a step is active: one native call
+  per layer (``kernels/tree_attention_cpu.c``, conv and recurrence along each
+  node's parents) where the native kernels load; otherwise the torch path,
+  the conv windows gathered along each node's path and run through the same
+  ``F.conv1d`` as the stock path and the recurrence through vLLM's own C++
+  kernel (``fused_sigmoid_gating_delta_rule_update_spec_cpu``), one call per
+  wave;
 * the CUDA path (``patches/gdn_tree_cuda.py``): :func:`cuda_layer` marks the
   GDN layer whose ``_forward_core`` is running during a tree step, and
   :func:`cuda_tree_conv` / :func:`cuda_tree_recurrent` take the place of the
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vllm_ddtree.core.gdn_tree import TreePlan, build_plan, commit_columns, commit_layer
+from vllm_ddtree.kernels import cpu_native
 
 __all__ = ["GDNTreeStep", "active_step", "cpu_tree_spec_forward", "cuda_layer",
            "cuda_tree_conv", "cuda_tree_recurrent", "state_bytes_per_request", "tree_layer_running",
@@ -139,11 +143,40 @@ def tree_step(step: GDNTreeStep | None) -> Iterator[None]:
 
 def cpu_tree_spec_forward(step: GDNTreeStep, layer: Any, md: Any, mixed_qkv: Tensor, b: Tensor,
                           a: Tensor, conv_buf: Tensor, ssm_state: Tensor, width: int,
-                          conv_weight: Tensor) -> Tensor:
+                          conv_weight: Tensor, *, native: bool | None = None) -> Tensor:
     """The speculative tokens of one GDN layer as trees; same arguments and
     result as vLLM CPU's ``_spec_forward`` (``conv_buf`` ``[slots, dim,
     state_len]``, ``ssm_state`` ``[slots, HV, K, V]``), plus the unpacked
-    ``[dim, W]`` conv weight."""
+    ``[dim, W]`` conv weight.
+
+    With the native CPU kernels (``native=None``: when they load) the whole
+    layer is one call (``kernels/cpu_native.gdn_tree_native``); without them,
+    or with ``native=False``, the torch path of :func:`_waves_forward`."""
+    n, total = md.num_spec_decodes, mixed_qkv.shape[0]
+    idx = md.spec_state_indices_tensor[:n]
+    lib = None if native is False else cpu_native.load()
+    if native and lib is None:
+        raise RuntimeError("cpu_tree_spec_forward(native=True): the native CPU kernels are "
+                           "unavailable")
+    if lib is not None:
+        parent = step.spec_parent(md, total, width)
+        step.record(layer.prefix, conv_buf, ssm_state, idx)
+        return cpu_native.gdn_tree_native(
+            lib, mixed_qkv, conv_buf, conv_weight, layer.conv1d.bias, layer.activation == "silu",
+            a, b, layer.A_log, layer.dt_bias, ssm_state, parent,
+            md.spec_query_start_loc[: n + 1], idx, md.num_accepted_tokens[:n],
+            layer.key_dim // layer.tp_size // layer.head_k_dim, layer.head_k_dim,
+            layer.head_v_dim)
+    return _waves_forward(step, layer, md, mixed_qkv, b, a, conv_buf, ssm_state, width,
+                          conv_weight)
+
+
+def _waves_forward(step: GDNTreeStep, layer: Any, md: Any, mixed_qkv: Tensor, b: Tensor,
+                   a: Tensor, conv_buf: Tensor, ssm_state: Tensor, width: int,
+                   conv_weight: Tensor) -> Tensor:
+    """The torch path: the conv in ``F.conv1d`` and the recurrence through
+    vLLM's own chain kernel, one call per wave of segments (bit for bit the
+    stock chain along every path)."""
     import vllm._custom_ops as ops
 
     n, total = md.num_spec_decodes, mixed_qkv.shape[0]

@@ -564,21 +564,20 @@ static inline v16f load16_dt(const void *p, int dt) {
   return v;
 }
 
-/* exp(x) on 16 lanes, x clamped to [-87, 88] (as exp_nonpos8, both signs) */
-static inline v16f exp16(v16f x) {
-  const v16f lo = (v16f){0.f} - 87.f, hi = (v16f){0.f} + 88.f;
-  const v16i below = x < lo, above = x > hi;
-  x = (v16f)((below & (v16i)lo) | (~below & (v16i)x));
-  x = (v16f)((above & (v16i)hi) | (~above & (v16i)x));
-  const v16f k = (x * 1.44269504088896341f + 12582912.f) - 12582912.f; /* round(x / ln 2) */
-  const v16f r = x - k * 0.693359375f + k * 2.12194440e-4f;
-  v16f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  return p * (v16f)((__builtin_convertvector(k, v16i) + 127) << 23);
+/* sigmoid(x) on 16 lanes from exp_nonpos8 of -|x| (no overflow either side) */
+static inline v16f sigmoid16(v16f x) {
+  const v16i neg = x < 0.f;
+  const v16f minus_abs = (v16f)((v16i)x | (v16i)((v16u){0} + 0x80000000u));
+  v8f lo, hi;
+  memcpy(&lo, &minus_abs, sizeof lo);
+  memcpy(&hi, (const char *)&minus_abs + sizeof lo, sizeof hi);
+  lo = exp_nonpos8(lo);
+  hi = exp_nonpos8(hi);
+  v16f e;
+  memcpy(&e, &lo, sizeof lo);
+  memcpy((char *)&e + sizeof lo, &hi, sizeof hi);
+  const v16f one = (v16f){0.f} + 1.f;
+  return (v16f)((neg & (v16i)e) | (~neg & (v16i)one)) / (one + e);
 }
 
 static inline void store_bf16x16(uint16_t *p, v16f f) {
@@ -672,7 +671,7 @@ int ddtree_gdn_tree(
         }
         if (cb_dt) acc = round_bf16x16(acc);
         if (silu) {
-          acc = acc / (1.f + exp16(-acc));
+          acc = acc * sigmoid16(acc);
           if (cb_dt) acc = round_bf16x16(acc);
         }
         if (x_dt) acc = round_bf16x16(acc);

@@ -377,3 +377,21 @@ def test_without_the_native_kernels_the_torch_path_runs(monkeypatch):
     assert torch.equal(out, ref) and torch.equal(ssm2, ssm1)
     with pytest.raises(RuntimeError, match="native CPU kernels are unavailable"):
         ours(layer, md, x, b, a, conv2, ssm2, parent, native=True)
+
+
+def test_native_without_bias_or_activation():
+    """The conv without a bias and without SiLU (vLLM CPU's GDN kernels take
+    bf16 activations only), through the native kernel and the torch path."""
+    _native_or_skip()
+    layer = make_layer(7)
+    layer.conv1d = SimpleNamespace(weight=layer.conv1d.weight, bias=None)
+    layer.activation = None
+    parent, qsl, rows, num_acc, (x, b, a), conv0, ssm0 = _random_case(4, torch.float32)
+    md = metadata(rows, qsl, num_acc)
+    conv_t, ssm_t = conv0.clone(), ssm0.clone()
+    out_t, _ = ours(layer, md, x, b, a, conv_t, ssm_t, parent, native=False)
+    conv_n, ssm_n = conv0.clone(), ssm0.clone()
+    out_n, _ = ours(layer, md, x, b, a, conv_n, ssm_n, parent, native=True)
+    torch.testing.assert_close(out_n, out_t, **OUT_TOL)
+    torch.testing.assert_close(ssm_n, ssm_t, **STATE_TOL[torch.float32])
+    assert torch.equal(conv_n, conv_t)

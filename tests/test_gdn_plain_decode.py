@@ -2,8 +2,9 @@
 
 DDTree's plain steps send every row of a hybrid target down vLLM CPU's
 ``_spec_aware_nonspec`` (a speculative engine's wide conv buffer, no
-speculative row). The patch runs decode-only batches there on vLLM's C++ conv
-update where vLLM packed the conv weight for it. These checks run it and the
+speculative row). The patch runs their decode rows there on vLLM's C++ conv
+update and their prefill rows on its C++ conv where vLLM packed the conv
+weight for it. These checks run it and the
 stock function (the torch update on the ``[:, :, :W - 1]`` view) on the same
 fake layer and caches: the same outputs and recurrent states, the same first
 ``W - 1`` conv columns, the rest of the wide buffer untouched, and the stock
@@ -146,24 +147,88 @@ def test_plain_decode_equals_the_stock_function(monkeypatch, n):
     assert torch.equal(conv_p[others], conv0[others]) and torch.equal(ssm_p[others], ssm0[others])
 
 
+def test_prefill_rows_equal_the_stock_function(monkeypatch):
+    """A batch of two decode rows and three prefills (one continuing a
+    chunked prefill, two from a zero state): outputs, recurrent states and the
+    first W - 1 conv columns as the stock function leaves them, the rest of
+    the wide buffer untouched, and the prefills convolved by vLLM's C++
+    kernel."""
+    layer = make_layer(3)
+    lengths = [1, 1, 37, 5, 20]
+    n, num_decodes = len(lengths), 2
+    slots = torch.randperm(4 * n * (S + 1))[: n * (S + 1)] + 1
+    block_table = slots.view(n, S + 1).to(torch.int32)
+    conv0, ssm0 = caches(int(slots.max()) + 1, seed=4)
+    total = sum(lengths)
+    x, b, a = inputs(total, seed=5)
+    qsl = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+
+    def metadata():
+        md = decode_metadata(block_table, dense=True)
+        md.num_decodes, md.num_decode_tokens = num_decodes, num_decodes
+        md.num_prefills, md.num_prefill_tokens = n - num_decodes, total - num_decodes
+        md.non_spec_query_start_loc = qsl
+        md.has_initial_state = torch.tensor([True, True, True, False, False])
+        return md
+
+    fwd_calls = []
+    real_fwd = ops.causal_conv1d_fwd_cpu
+
+    def counted(*args, **kwargs):
+        fwd_calls.append(kwargs["x"].shape[-1])
+        return real_fwd(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "causal_conv1d_fwd_cpu", counted)
+    stock = stock_function()
+    conv_s, ssm_s = conv0.clone(), ssm0.clone()
+    ref = run(stock, layer, metadata(), x, b, a, conv_s, ssm_s)
+    assert fwd_calls == []  # the stock function: the torch conv
+    conv_p, ssm_p = conv0.clone(), ssm0.clone()
+    out = run(gdn_plain_decode._build(stock), layer, metadata(), x, b, a, conv_p, ssm_p)
+    assert fwd_calls == [total - num_decodes]
+
+    rows = block_table[:, 0].long()
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(ssm_p, ssm_s, atol=2e-2, rtol=2e-2)
+    assert torch.equal(conv_p[rows, : W - 1], conv_s[rows, : W - 1])
+    assert torch.equal(conv_p[rows, W - 1:], conv0[rows, W - 1:])
+    # each prefill's window is its last W - 1 inputs
+    for i in range(num_decodes, n):
+        assert torch.equal(conv_p[rows[i], : W - 1], x[qsl[i + 1] - (W - 1): qsl[i + 1]])
+    # a continued prefill started from its state, the others from zeros
+    fresh = ssm0.clone()
+    fresh[rows[3:]] = 0
+    conv_z, ssm_z = conv0.clone(), fresh
+    zero_all = metadata()
+    zero_all.has_initial_state = torch.zeros(n, dtype=torch.bool)
+    out_z = run(gdn_plain_decode._build(stock), layer, zero_all, x, b, a, conv_z, ssm_z)
+    assert torch.equal(out_z[qsl[3]:], out[qsl[3]:])
+    assert not torch.allclose(out_z[qsl[2]: qsl[3]].float(), out[qsl[2]: qsl[3]].float(),
+                              atol=2e-2)
+    others = torch.ones(conv0.shape[0], dtype=torch.bool)
+    others[rows] = False
+    assert torch.equal(conv_p[others], conv0[others]) and torch.equal(ssm_p[others], ssm0[others])
+
+
 def test_anything_else_runs_the_stock_function(monkeypatch):
-    """A batch with a prefill row, or a layer whose conv weight vLLM did not
-    pack, goes to the stock function."""
+    """A layer whose conv weight vLLM did not pack, or an AMX CPU (where the
+    stock function takes the C++ kernels itself), goes to the stock
+    function."""
     seen = []
 
     def original(*args):
         seen.append(args[1])
 
     patched = gdn_plain_decode._build(original)
-    layer = make_layer()
     block_table = torch.arange(1, 2 * (S + 1) + 1, dtype=torch.int32).view(2, S + 1)
     conv, ssm = caches(2 * (S + 1) + 1)
     x, b, a = inputs(2)
-    with_prefill = decode_metadata(block_table, num_prefills=1)
-    run(patched, layer, with_prefill, x, b, a, conv, ssm)
-    assert seen == [with_prefill]
     unpacked = make_layer()
     unpacked.conv1d._cpu_unpacked_conv_weight = None
     md = decode_metadata(block_table)
     run(patched, unpacked, md, x, b, a, conv, ssm)
-    assert seen == [with_prefill, md]
+    assert seen == [md]
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    with_prefill = decode_metadata(block_table, num_prefills=1)
+    run(patched, make_layer(), with_prefill, x, b, a, conv, ssm)
+    assert seen == [md, with_prefill]

@@ -19,6 +19,6 @@ def all_patches() -> list[Patch]:
             logitsprocs.PATCH, model_runner.CPU_RUNNER, model_runner.CUDA_RUNNER,
             stat_loggers.PATCH, cpu_seed_rewind.SNAPSHOT, cpu_seed_rewind.REWIND,
             cpu_dflash_k_norm.PATCH, cpu_dflash_context_gemm.PATCH, cpu_gemm_handler_del.PATCH, gdn_tree.PATCH,
-            gdn_plain_decode.PATCH,
+            gdn_plain_decode.PATCH, gdn_plain_decode.SUBSET,
             *gdn_tree_cuda.PATCHES, structured_output.UPDATE_DRAFTS, structured_output.BITMASK,
             structured_output.SCHEDULE]

@@ -34,8 +34,13 @@ chunked recurrence as the stock prefill. Every other call runs the stock
 function. Both get the plain rows' state indices as a dense tensor (vLLM's
 one-row column view crashes its kernel).
 
+``SUBSET`` (``cpu-gdn-prefill-subset``) does the same for the prefill rows of
+a step that also verifies drafts (target ``_spec_aware_nonspec_subset``,
+looked up the same way): a verification step that admits new prompts,
+DDTree's or the DFlash chain's.
+
 Upstream status: vLLM 0.32 widened the plain path's conv predicate to
-AVX-512 BF16 but not this one. Drop this patch when it does.
+AVX-512 BF16 but not these. Drop the patches when it does.
 """
 
 from __future__ import annotations
@@ -74,8 +79,7 @@ def _build(original):
             # dense copy, for the stock path too (the metadata is shared by
             # the step's GDN layers, so the first one makes it)
             md.non_spec_state_indices_tensor = rows.clone(memory_format=torch.contiguous_format)
-        if (not packed_conv_weight(layer) or torch.cpu._is_amx_tile_supported()
-                or stock.is_arm_bf16()):
+        if not _cpp_conv(layer, stock):
             return original(layer, attn_metadata_i, mixed_qkv, b, a, core_attn_out, conv_buf,
                             ssm_state, width)
         n, t = md.num_decodes, md.num_decode_tokens
@@ -92,34 +96,33 @@ def _build(original):
                 cu_seqlens=md.non_spec_query_start_loc[: n + 1], use_qk_l2norm_in_kernel=True)
             core_attn_out[:t] = out.squeeze(1)
         if md.num_prefills:
-            _prefill_rows(stock, ops, layer, md, mixed_qkv, b, a, core_attn_out, conv_buf,
-                          ssm_state, width)
+            first, count = md.num_decodes, md.num_prefills
+            end = t + md.num_prefill_tokens
+            core_attn_out[t:end] = _prefill_rows(
+                stock, ops, layer, mixed_qkv[t:end], b[t:end], a[t:end], conv_buf, ssm_state,
+                width, md.non_spec_state_indices_tensor[first: first + count],
+                md.non_spec_query_start_loc[first: first + count + 1] - t,
+                md.has_initial_state[first: first + count])
 
     _spec_aware_nonspec.ddtree_plain_decode = True
     return _spec_aware_nonspec
 
 
-def _prefill_rows(stock, ops, layer, md, mixed_qkv, b, a, core_attn_out, conv_buf, ssm_state,
-                  width) -> None:
-    """The prefill rows of a plain step (after its decode rows): the conv on
-    vLLM's C++ kernel over the wide buffer's first ``W - 1`` columns (the
-    window a plain engine's buffer holds), then vLLM's gating and chunked
-    recurrence, each prefill starting from a zero state unless it continues
-    one (chunked prefill)."""
-    first, count = md.num_decodes, md.num_prefills
-    start = md.num_decode_tokens
-    end = start + md.num_prefill_tokens
-    rows = md.non_spec_state_indices_tensor[first: first + count]
-    starts = md.non_spec_query_start_loc[first: first + count + 1] - start
-    continues = md.has_initial_state[first: first + count]
+def _prefill_rows(stock, ops, layer, x, b, a, conv_buf, ssm_state, width, rows, starts,
+                  continues):
+    """Prefill rows (``x``, ``b``, ``a`` theirs alone; ``starts`` their query
+    start offsets from 0): the conv on vLLM's C++ kernel over the wide
+    buffer's first ``W - 1`` columns (the window a plain engine's buffer
+    holds), then vLLM's gating and chunked recurrence, each prefill starting
+    from a zero state unless it continues one (chunked prefill). Returns the
+    rows' outputs."""
     conv = stock._causal_conv1d_fwd_cpu(
-        x=mixed_qkv[start:end].transpose(0, 1), weight=layer.conv1d.weight,
-        bias=layer.conv1d.bias, conv_states=conv_buf[:, :, : width - 1],
-        query_start_loc=starts, cache_indices=rows, has_initial_state=continues,
-        silu_activation=layer.activation == "silu", is_weight_packed=True).transpose(0, 1)
+        x=x.transpose(0, 1), weight=layer.conv1d.weight, bias=layer.conv1d.bias,
+        conv_states=conv_buf[:, :, : width - 1], query_start_loc=starts, cache_indices=rows,
+        has_initial_state=continues, silu_activation=layer.activation == "silu",
+        is_weight_packed=True).transpose(0, 1)
     query, key, value = layer.rearrange_mixed_qkv(conv)
-    g, beta = ops.fused_gdn_gating_cpu(A_log=layer.A_log, a=a[start:end], b=b[start:end],
-                                       dt_bias=layer.dt_bias)
+    g, beta = ops.fused_gdn_gating_cpu(A_log=layer.A_log, a=a, b=b, dt_bias=layer.dt_bias)
     fresh = rows[~continues]
     if fresh.numel():
         ssm_state[fresh] = 0
@@ -127,7 +130,35 @@ def _prefill_rows(stock, ops, layer, md, mixed_qkv, b, a, core_attn_out, conv_bu
         query=query, key=key, value=value, g=g, beta=beta, initial_state=ssm_state,
         output_final_state=True, cu_seqlens=starts, head_first=False,
         use_qk_l2norm_in_kernel=True, initial_state_indices=rows)
-    core_attn_out[start:end] = out.squeeze(0)
+    return out.squeeze(0)
+
+
+def _cpp_conv(layer, stock) -> bool:
+    """Whether the patches take this layer: vLLM packed its conv weight, and
+    the stock functions would not take the C++ kernels themselves."""
+    return (packed_conv_weight(layer) and not torch.cpu._is_amx_tile_supported()
+            and not stock.is_arm_bf16())
+
+
+def _build_subset(original):
+    from importlib import import_module
+
+    import vllm._custom_ops as ops
+
+    stock = import_module(_MODULE)
+
+    @functools.wraps(original)
+    def _spec_aware_nonspec_subset(layer, attn_metadata_i, mixed_qkv, b, a, conv_buf,
+                                   ssm_state, width):
+        if not _cpp_conv(layer, stock):
+            return original(layer, attn_metadata_i, mixed_qkv, b, a, conv_buf, ssm_state, width)
+        md = attn_metadata_i
+        return _prefill_rows(stock, ops, layer, mixed_qkv, b, a, conv_buf, ssm_state, width,
+                             md.prefill_state_indices.contiguous(), md.prefill_query_start_loc,
+                             md.has_initial_state)
+
+    _spec_aware_nonspec_subset.ddtree_prefill_subset = True
+    return _spec_aware_nonspec_subset
 
 
 PATCH = Patch(
@@ -138,5 +169,18 @@ PATCH = Patch(
     upstream="vLLM 0.32 takes the C++ conv for wide conv buffers on AMX and Arm only",
     vllm_versions=CPU_ONLY,
     build=_build,
+    when=on_cpu,
+)
+
+
+SUBSET = Patch(
+    name="cpu-gdn-prefill-subset",
+    target=f"{_MODULE}:_spec_aware_nonspec_subset",
+    why="Prefill rows beside speculative ones (a verification step that admits prompts) on "
+        "the C++ conv kernel wherever vLLM packed the conv weight for it, as a plain "
+        "engine's prefill does.",
+    upstream="vLLM 0.32 takes the C++ conv for wide conv buffers on AMX and Arm only",
+    vllm_versions=CPU_ONLY,
+    build=_build_subset,
     when=on_cpu,
 )

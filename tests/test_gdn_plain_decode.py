@@ -1,4 +1,5 @@
-"""The ``cpu-gdn-plain-decode`` patch (``patches/gdn_plain_decode.py``).
+"""The ``cpu-gdn-plain-decode`` and ``cpu-gdn-prefill-subset`` patches
+(``patches/gdn_plain_decode.py``).
 
 DDTree's plain steps send every row of a hybrid target down vLLM CPU's
 ``_spec_aware_nonspec`` (a speculative engine's wide conv buffer, no
@@ -232,3 +233,46 @@ def test_anything_else_runs_the_stock_function(monkeypatch):
     with_prefill = decode_metadata(block_table, num_prefills=1)
     run(patched, make_layer(), with_prefill, x, b, a, conv, ssm)
     assert seen == [md, with_prefill]
+
+
+def test_prefill_beside_speculative_rows_equals_the_stock_function(monkeypatch):
+    """``cpu-gdn-prefill-subset``: the prefill rows of a verification step
+    (two from a zero state, one continuing a chunked prefill) through the C++
+    conv give the stock function's outputs, states and first W - 1 conv
+    columns, the rest of the buffer untouched."""
+    layer = make_layer(6)
+    lengths = [23, 4, 41]
+    n = len(lengths)
+    slots = (torch.randperm(6 * n)[:n] + 1).to(torch.int32)
+    conv0, ssm0 = caches(6 * n + 1, seed=7)
+    total = sum(lengths)
+    x, b, a = inputs(total, seed=8)
+    md = SimpleNamespace(prefill_state_indices=slots,
+                         prefill_query_start_loc=torch.tensor([0] + lengths).cumsum(0)
+                         .to(torch.int32),
+                         has_initial_state=torch.tensor([False, True, False]))
+    fwd_calls = []
+    real_fwd = ops.causal_conv1d_fwd_cpu
+
+    def counted(*args, **kwargs):
+        fwd_calls.append(kwargs["x"].shape[-1])
+        return real_fwd(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "causal_conv1d_fwd_cpu", counted)
+    fn = gdn_attention._spec_aware_nonspec_subset
+    stock = fn.__wrapped__ if getattr(fn, "ddtree_prefill_subset", False) else fn
+    conv_s, ssm_s = conv0.clone(), ssm0.clone()
+    ref = stock(layer, md, x, b, a, conv_s.transpose(1, 2), ssm_s, W)
+    assert fwd_calls == []
+    conv_p, ssm_p = conv0.clone(), ssm0.clone()
+    out = gdn_plain_decode._build_subset(stock)(layer, md, x, b, a, conv_p.transpose(1, 2),
+                                                ssm_p, W)
+    assert fwd_calls == [total]
+    rows = slots.long()
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(ssm_p, ssm_s, atol=2e-2, rtol=2e-2)
+    assert torch.equal(conv_p[rows, : W - 1], conv_s[rows, : W - 1])
+    assert torch.equal(conv_p[rows, W - 1:], conv0[rows, W - 1:])
+    others = torch.ones(conv0.shape[0], dtype=torch.bool)
+    others[rows] = False
+    assert torch.equal(conv_p[others], conv0[others]) and torch.equal(ssm_p[others], ssm0[others])

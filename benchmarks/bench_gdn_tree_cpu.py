@@ -40,7 +40,9 @@ CHAIN = list(range(-1, S - 1))
 TREE = [-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 11, 0, 4, 11]
 
 
-def _layer(g):
+def gdn_layer(g):
+    """A stand-in for vLLM's Qwen GDN layer at this shape (what the GDN
+    forward reads of it), its weights drawn from ``g``."""
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
         QwenGatedDeltaNetAttention,
     )
@@ -82,7 +84,7 @@ def measure(concurrency: list[int], repeats: int, calls: int) -> dict:
         raise SystemExit("the native CPU kernels are unavailable (no C compiler?)")
     torch.cpu._is_amx_tile_supported = lambda: False  # the stock path's torch conv everywhere
     g = torch.Generator().manual_seed(0)
-    layer = _layer(g)
+    layer = gdn_layer(g)
     weight = layer.conv1d.weight.view(DIM, W)
     results = {}
     for c in concurrency:

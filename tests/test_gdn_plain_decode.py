@@ -101,15 +101,22 @@ def run(fn, layer, md, x, b, a, conv, ssm):
 
 
 class ConvCalls:
-    def __init__(self, monkeypatch):
-        self.count = 0
-        real = ops.causal_conv1d_update_cpu
+    """Records the calls of one of vLLM's C++ conv ops: the width of each
+    call's input (its last dimension)."""
+
+    def __init__(self, monkeypatch, op="causal_conv1d_update_cpu"):
+        self.widths = []
+        real = getattr(ops, op)
 
         def counted(*args, **kwargs):
-            self.count += 1
+            self.widths.append(kwargs["x"].shape[-1])
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(ops, "causal_conv1d_update_cpu", counted)
+        monkeypatch.setattr(ops, op, counted)
+
+    @property
+    def count(self):
+        return len(self.widths)
 
 
 @pytest.mark.parametrize("n", [1, 5])
@@ -172,14 +179,7 @@ def test_prefill_rows_equal_the_stock_function(monkeypatch):
         md.has_initial_state = torch.tensor([True, True, True, False, False])
         return md
 
-    fwd_calls = []
-    real_fwd = ops.causal_conv1d_fwd_cpu
-
-    def counted(*args, **kwargs):
-        fwd_calls.append(kwargs["x"].shape[-1])
-        return real_fwd(*args, **kwargs)
-
-    monkeypatch.setattr(ops, "causal_conv1d_fwd_cpu", counted)
+    fwd_calls = ConvCalls(monkeypatch, "causal_conv1d_fwd_cpu").widths
     stock = stock_function()
     conv_s, ssm_s = conv0.clone(), ssm0.clone()
     ref = run(stock, layer, metadata(), x, b, a, conv_s, ssm_s)
@@ -251,14 +251,7 @@ def test_prefill_beside_speculative_rows_equals_the_stock_function(monkeypatch):
                          prefill_query_start_loc=torch.tensor([0] + lengths).cumsum(0)
                          .to(torch.int32),
                          has_initial_state=torch.tensor([False, True, False]))
-    fwd_calls = []
-    real_fwd = ops.causal_conv1d_fwd_cpu
-
-    def counted(*args, **kwargs):
-        fwd_calls.append(kwargs["x"].shape[-1])
-        return real_fwd(*args, **kwargs)
-
-    monkeypatch.setattr(ops, "causal_conv1d_fwd_cpu", counted)
+    fwd_calls = ConvCalls(monkeypatch, "causal_conv1d_fwd_cpu").widths
     fn = gdn_attention._spec_aware_nonspec_subset
     stock = fn.__wrapped__ if getattr(fn, "ddtree_prefill_subset", False) else fn
     conv_s, ssm_s = conv0.clone(), ssm0.clone()

@@ -17,13 +17,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from benchmarks.bench_gdn_tree_cpu import gdn_layer
 from vllm_ddtree.gdn import GDNTreeStep, cpu_tree_spec_forward
 from vllm_ddtree.core.gdn_tree import build_plan, commit_columns
 
 gdn_attention = pytest.importorskip("vllm.model_executor.layers.mamba.ops.cpu.gdn_attention")
-from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (  # noqa: E402
-    QwenGatedDeltaNetAttention,
-)
 
 H, HV, K, V, W, S = 1, 3, 128, 128, 4, 8
 DIM = 2 * H * K + HV * V
@@ -35,18 +33,8 @@ def _torch_conv(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
 
 
-class Layer(SimpleNamespace):
-    rearrange_mixed_qkv = QwenGatedDeltaNetAttention.rearrange_mixed_qkv
-
-
 def make_layer(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    conv = SimpleNamespace(weight=(torch.randn(DIM, 1, W, generator=g) * 0.5).bfloat16(),
-                           bias=(torch.randn(DIM, generator=g) * 0.1).bfloat16())
-    return Layer(prefix="model.layers.0.linear_attn", conv1d=conv, activation="silu",
-                 A_log=(torch.randn(HV, generator=g) * 0.5).bfloat16(),
-                 dt_bias=torch.randn(HV, generator=g).bfloat16(),
-                 key_dim=H * K, value_dim=HV * V, tp_size=1, head_k_dim=K, head_v_dim=V)
+    return gdn_layer(torch.Generator().manual_seed(seed))
 
 
 def make_caches(num_slots, ssm_dtype, seed=1):

@@ -25,13 +25,16 @@
  * stay outside the dot products: the logits are (q . k) * scale * k_scale
  * (the query unscaled) and the output is (sum p v) * v_scale / sum p.
  *
- * One task per (tree request, kv head): every query row of the request
- * that reads this kv head (all grouped query heads) walks the request's
- * blocks once with an online softmax in fp32, so each cache block is read
- * once per task, as vLLM's own kernel does. Plain C, built at first use by
+ * One task per (tree request, kv head, chunk of query rows): the task's
+ * rows (nodes x grouped query heads) walk the request's blocks once with an
+ * online softmax in fp32, so each cache block is read once per task. A
+ * request's rows are split into chunks only when there are too few
+ * (request, kv head) pairs to fill the threads: one request with one kv
+ * head then still uses every core. Plain C, built at first use by
  * kernels/cpu_native.py; the tasks run in parallel under OpenMP.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -130,21 +133,42 @@ int ddtree_tree_attention(
   const int64_t block_elems = BS * 2 * D; /* one (block, head) */
   int status = 0;
 
-#pragma omp parallel for collapse(2) schedule(dynamic)
+  /* Tasks: (tree request, kv head, chunk of row tiles). A request's rows
+   * are split only when there are fewer than two (request, kv head) pairs
+   * per thread, so that one request with one kv head still fills the
+   * cores; each chunk converts and reads the request's blocks once. */
+  int64_t max_rows = 1;
+  for (int64_t ti = 0; ti < num_tree_reqs; ++ti) {
+    const int64_t r = tree_reqs[ti];
+    const int64_t rows = (query_start_loc[r + 1] - query_start_loc[r]) * group;
+    max_rows = rows > max_rows ? rows : max_rows;
+  }
+  const int64_t pairs = num_tree_reqs * num_kv_heads;
+  int64_t splits = pairs > 0 ? (2 * (int64_t)omp_get_max_threads() + pairs - 1) / pairs : 1;
+  splits = splits < 1 ? 1 : splits;
+  const int64_t chunk_tiles = ((max_rows + RT - 1) / RT + splits - 1) / splits;
+  const int64_t chunk_rows = (chunk_tiles < 1 ? 1 : chunk_tiles) * RT;
+  const int64_t max_chunks = (max_rows + chunk_rows - 1) / chunk_rows;
+
+#pragma omp parallel for collapse(3) schedule(dynamic)
   for (int64_t ti = 0; ti < num_tree_reqs; ++ti) {
     for (int64_t h = 0; h < num_kv_heads; ++h) {
+    for (int64_t chunk = 0; chunk < max_chunks; ++chunk) {
       const int64_t r = tree_reqs[ti];
       const int64_t qs = query_start_loc[r];
       const int64_t ql = query_start_loc[r + 1] - qs;
       const int64_t seq = seq_lens[r];
       const int64_t ctx = seq - ql;
-      const int64_t rows = ql * group; /* row = node * group + g */
-      if (ql <= 0) continue;
+      const int64_t all_rows = ql * group; /* row = node * group + g */
+      const int64_t row0 = chunk * chunk_rows;
+      if (ql <= 0 || row0 >= all_rows) continue;
       if (ctx < 0 || ql > mask_words * 32) {
 #pragma omp atomic write
         status = -2;
         continue;
       }
+      /* this chunk's rows: row0 .. row0 + rows - 1 of the request's */
+      const int64_t rows = all_rows - row0 < chunk_rows ? all_rows - row0 : chunk_rows;
       const int64_t tiles = (rows + RT - 1) / RT;
       float *m = malloc(sizeof(float) * tiles * RT);
       float *l = malloc(sizeof(float) * tiles * RT);
@@ -161,7 +185,7 @@ int ddtree_tree_attention(
       }
       /* Scaled queries, one row per (node, g); padding rows repeat the last. */
       for (int64_t row = 0; row < tiles * RT; ++row) {
-        const int64_t rr = row < rows ? row : rows - 1;
+        const int64_t rr = row0 + (row < rows ? row : rows - 1);
         const float *q = query + (qs + rr / group) * q_stride_tok +
                          (h * group + rr % group) * q_stride_head;
         for (int64_t d = 0; d < D; ++d) qbuf[row * D + d] = q[d] * q_scale;
@@ -228,7 +252,7 @@ int ddtree_tree_attention(
             /* keys past the sequence hold stale values: never seen */
             for (int64_t t = tn; t < BS; ++t) sc[t] = -INFINITY;
             if (!all_visible) {
-              const int64_t node = (row < rows ? row : rows - 1) / group;
+              const int64_t node = (row0 + (row < rows ? row : rows - 1)) / group;
               const int32_t *mrow = mask + (qs + node) * mask_words;
               const int64_t di = dep ? dep[node] : 0;
               for (int64_t t = 0; t < tn; ++t) {
@@ -279,12 +303,13 @@ int ddtree_tree_attention(
         }
       }
       for (int64_t row = 0; row < rows; ++row) {
-        const int64_t i = row / group, g = row % group;
+        const int64_t i = (row0 + row) / group, g = (row0 + row) % group;
         float *o = out + (qs + i) * o_stride_tok + (h * group + g) * o_stride_head;
         const float inv = l[row] > 0.f ? out_scale / l[row] : 0.f;
         for (int64_t d = 0; d < D; ++d) o[d] = acc[row * D + d] * inv;
       }
       free(m); free(l); free(qbuf); free(acc); free(s); free(kbuf); free(vbuf);
+    }
     }
   }
   return status;

@@ -2,7 +2,11 @@
 
 ``reference`` holds the torch reference (the test oracle), ``cache_layout``
 the strided K/V views of vLLM's paged cache, ``tree_attention_cpu`` the
-batched torch path used on CPU, and ``tree_attention`` the Triton kernel.
+batched torch path used on CPU, ``cpu_native`` the native CPU kernels
+(``tree_attention_cpu.c``: tree attention, tree construction, KV compaction
+and Gated DeltaNet tree verification), ``gdn_tree`` / ``gdn_tree_reference``
+the Triton Gated DeltaNet tree kernels and their torch references, and
+``tree_attention`` the Triton attention kernel.
 The Triton module is imported lazily (attribute ``tree_attention``) because
 whether it runs in Triton's interpreter is fixed when it is imported.
 """

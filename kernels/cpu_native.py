@@ -356,9 +356,11 @@ def gdn_tree_native(lib: NativeKernels, mixed_qkv: torch.Tensor, conv_buf: torch
     idx = state_indices.to(torch.int32).contiguous()
     nacc = num_accepted.to(torch.int32).contiguous()
     nseq = idx.shape[0]
-    if cu.numel() != nseq + 1 or nacc.numel() < nseq or par.numel() < total:
+    if (cu.numel() != nseq + 1 or nacc.numel() < nseq or par.numel() < total
+            or int(cu[-1]) != total):
         raise ValueError("gdn_tree_native: cu_seqlens, num_accepted and parent do not match "
-                         "the state-index rows and tokens")
+                         f"the state-index rows and tokens ({nseq} rows, {total} tokens, "
+                         f"cu_seqlens ending at {int(cu[-1])})")
     out = torch.empty(total, num_v_heads, head_v, dtype=x.dtype)
     scratch = torch.empty(total, dim, dtype=torch.float32)
     gates = torch.empty(total, num_v_heads, 2, dtype=torch.float32)

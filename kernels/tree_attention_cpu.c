@@ -625,6 +625,7 @@ int ddtree_gdn_tree(
   if (width < 2 || H <= 0 || HV % H || K <= 0 || K % 4 || V <= 0 || V % GDN_BV ||
       dim != 2 * H * K + HV * V)
     return -1;
+  if (nseq && cu[0] != 0) return -2;
   const int64_t T = nseq ? cu[nseq] : 0;
   /* validate, and map every token to its sequence */
   for (int64_t i = 0; i < nseq; ++i) {

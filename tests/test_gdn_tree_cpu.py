@@ -328,6 +328,8 @@ def test_native_chain_matches_stock_chain():
     ("parent", "parent does not come before its child"),
     ("num_acc", "num_accepted is outside"),
     ("slot", "state index is outside"),
+    ("cu", "do not match the state-index rows and tokens"),
+    ("cu0", "not ascending from 0"),
 ])
 def test_native_rejects_bad_input(bad, match):
     _native_or_skip()
@@ -338,9 +340,14 @@ def test_native_rejects_bad_input(bad, match):
         parent[1] = 1
     elif bad == "num_acc":
         num_acc = [0] + num_acc[1:]
-    else:
+    elif bad == "slot":
         rows = list(rows)
         rows[0] = ssm.shape[0]
+    elif bad == "cu":  # one token more than the step has
+        qsl = qsl[:-1] + [qsl[-1] + 1]
+        parent = parent + [0]
+    else:  # the first sequence starts after token 0
+        qsl = [1] + qsl[1:]
     with pytest.raises(ValueError, match=match):
         ours(layer, metadata(rows, qsl, num_acc), x, b, a, conv, ssm, parent, native=True)
 

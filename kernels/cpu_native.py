@@ -294,7 +294,8 @@ def move_slots_native(lib: NativeKernels, caches: list[torch.Tensor], src_slots:
 
 
 _GDN_ERRORS = {
-    -1: "inconsistent sizes (dim must be 2 * H * K + HV * V, HV a multiple of H, K of 4, V of 16)",
+    -1: "inconsistent sizes (dim must be 2 * H * K + HV * V, HV a multiple of H, K of 4, V of 16; "
+        "conv width 2..64)",
     -2: "cu_seqlens is not ascending from 0",
     -3: "a sequence has more tokens than its state-index row or conv buffer holds",
     -4: "num_accepted is outside 1 .. the state-index row (or past the conv buffer)",

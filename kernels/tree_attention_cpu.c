@@ -622,7 +622,7 @@ int ddtree_gdn_tree(
     const int32_t *num_acc, int64_t nseq,
     int64_t H, int64_t HV, int64_t K, int64_t V, float scale,
     void *out, int out_dt, float *scratch, float *gates, int32_t *tok_seq) {
-  if (width < 2 || H <= 0 || HV % H || K <= 0 || K % 4 || V <= 0 || V % GDN_BV ||
+  if (width < 2 || width > 64 || H <= 0 || HV % H || K <= 0 || K % 4 || V <= 0 || V % GDN_BV ||
       dim != 2 * H * K + HV * V)
     return -1;
   if (nseq && cu[0] != 0) return -2;
@@ -666,7 +666,6 @@ int ddtree_gdn_tree(
     int64_t stride[64];
     int dt[64], from_x[64];
     int contiguous = 1;
-    if (width > 64) continue; /* rejected by the wrapper */
     int64_t cur = t - bos, m = width - 2;
     for (int64_t w = width - 1; w >= 0; --w) {
       from_x[w] = cur >= 0;

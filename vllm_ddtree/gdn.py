@@ -53,28 +53,23 @@ class GDNTreeStep:
         self.width: int | None = None  # the conv kernel width
         self.layers: dict[str, tuple[Any, Any, Tensor]] = {}  # name -> conv, ssm, rows
         self.spec_rows: Tensor | None = None  # batch row of each spec sequence
-        self._spec_parent: Tensor | None = None  # CUDA: int32 parents of the spec tokens
+        self._spec_parent: Tensor | None = None  # int32 parents of the spec tokens
         self._pending_conv: dict[str, Tensor] = {}  # CUDA: conv state seen, per layer
 
     def plan_for(self, md: Any, num_tokens: int, width: int) -> TreePlan:
         if self.plan is None:
             n = md.num_spec_decodes
-            if md.num_prefills == 0 and md.num_decodes == 0:
-                parent = self.parent[:num_tokens]
-            else:
-                parent = self.parent.index_select(0, md.spec_token_indx.long())
+            parent = self.spec_parent(md, num_tokens, width)
             num_spec = md.spec_state_indices_tensor.shape[1] - 1
             self.plan = build_plan(parent.tolist(), md.spec_query_start_loc[: n + 1].tolist(),
                                    width, num_spec, device=parent.device)
-            self.width = width
-            self.spec_rows = _spec_rows(md, n, parent.device)
         return self.plan
 
     def spec_parent(self, md: Any, num_tokens: int, width: int) -> Tensor:
         """int32 ``[num_spec_tokens]``: the local parent of every speculative
         token of the step (-1: a root), in the order vLLM's speculative
         kernels see them. Gathered at the first GDN layer and shared by the
-        others; no host sync."""
+        others (and by the wave plan); no host sync."""
         if self._spec_parent is None:
             if md.num_prefills == 0 and md.num_decodes == 0:
                 parent = self.parent[:num_tokens]

@@ -80,7 +80,7 @@ def _accepted(u: float, mean: float) -> int:
 
 
 def simulate(regime: Regime, seed: int, fixed: int | None = None, horizon: float = 25.0,
-             start: float = 8.0) -> tuple[float, dict[str, int]]:
+             start: float = 8.0, shadow: bool = True) -> tuple[float, dict[str, int]]:
     """Tokens/s from ``start`` to ``horizon`` seconds of engine time, with
     the tuner choosing (``fixed`` None) or one arm throughout (0: plain);
     and the steps each arm ran."""
@@ -104,12 +104,18 @@ def simulate(regime: Regime, seed: int, fixed: int | None = None, horizon: float
             b, name = fixed, f"fixed{fixed}" if fixed else "plain"
         prefill = not all(r[2] for r in reqs)
         committed = 0
+        below = [x for x in BUDGETS if x < b] if shadow else []
+        cut = dict.fromkeys(below, 0)  # tokens had each request verified only x nodes
         for r in reqs:
             if not r[2]:
                 r[2], got = True, 1
+                for x in below:
+                    cut[x] += 1
             else:
                 u = rng.random()
                 got = 1 + (_accepted(u, r[0] * (1 - math.exp(-b / regime.scale))) if b else 0)
+                for x in below:  # the same draw: nested, as a tree's first x nodes are
+                    cut[x] += 1 + _accepted(u, r[0] * (1 - math.exp(-x / regime.scale)))
             r[1] -= got
             committed += got
         sec = regime.step_ms[b] * 1e-3 * (1 + 0.05 * (2 * rng.random() - 1))
@@ -119,7 +125,8 @@ def simulate(regime: Regime, seed: int, fixed: int | None = None, horizon: float
             sec += 0.01
         if tuner is not None:
             tuner.observe(regime.c, committed, sec, counted=not prefill,
-                          verified=regime.c * (1 + b), drafted=bool(b))
+                          verified=regime.c * (1 + b), drafted=bool(b),
+                          shadow=cut if b else None)
         steps[name] = steps.get(name, 0) + 1
         if clock >= start:
             tokens += committed
@@ -139,6 +146,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", type=int, default=96)
     ap.add_argument("--horizon", type=float, default=25.0)
     ap.add_argument("--start", type=float, default=8.0)
+    ap.add_argument("--no-shadow", action="store_true",
+                    help="report no shadow counts (the tuner compares arms by their own "
+                         "trials only)")
     ap.add_argument("--out", help="write the per-seed ratios as JSON")
     args = ap.parse_args(argv)
     if args.seeds < 2 or not 0 <= args.start < args.horizon:
@@ -150,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
                                             start=args.start)[0] for s in range(8))
                 for b in (0, *BUDGETS)}
         best = max(arms.values())
-        ratios = [simulate(regime, s, horizon=args.horizon, start=args.start)[0] / best
+        ratios = [simulate(regime, s, horizon=args.horizon, start=args.start,
+                           shadow=not args.no_shadow)[0] / best
                   for s in range(args.seeds)]
         mean = statistics.mean(ratios)
         se = statistics.stdev(ratios) / math.sqrt(len(ratios))

@@ -113,3 +113,29 @@ def record_trees_and_steps() -> None:
     logged("_ddtree_plain_step", "kept")
     record_trees()
     logged("propose_draft_token_ids", "propose")
+
+
+ENV_SHADOW_LOG = "DDTREE_TEST_SHADOW_LOG"
+
+
+def record_shadows() -> None:
+    """One JSON line per step the rate tuner observes, in
+    ``$DDTREE_TEST_SHADOW_LOG``: the running trial's arm, the step's
+    requests and committed tokens, and the shadow counts the runner reported."""
+    from vllm_ddtree.core.tuner import RateTuner
+
+    path = os.environ[ENV_SHADOW_LOG]
+    real = RateTuner.observe
+
+    def observed(self, num_reqs, tokens, seconds, *args, shadow=None, **kwargs):
+        trial = self._trial
+        with open(path, "a") as f:
+            f.write(json.dumps({
+                "arm": trial.arm.name if trial is not None else None,
+                "budget": trial.arm.budget if trial is not None else 0,
+                "reqs": num_reqs, "tokens": tokens,
+                "shadow": None if shadow is None else {str(b): n for b, n in shadow.items()},
+            }) + "\n")
+        return real(self, num_reqs, tokens, seconds, *args, shadow=shadow, **kwargs)
+
+    RateTuner.observe = observed

@@ -18,7 +18,7 @@ import json
 
 import pytest
 
-from tests.adaptive_probe import ENV_LOG, ENV_STEP_LOG
+from tests.adaptive_probe import ENV_LOG, ENV_SHADOW_LOG, ENV_STEP_LOG
 from tests.conftest import IN_PROCESS, run_job
 
 pytestmark = pytest.mark.engine
@@ -66,8 +66,26 @@ def test_adaptive_profiled_greedy_identical(plain, tiny_pair, tmp_path):
     # Short trials: the tuner's cold start (every arm once) ends within the
     # run's 96 steps however fast this machine's steps are (a 0.3 s plain
     # trial outlasts the run where a step takes under 3 ms).
-    res = _ddtree(tiny_pair, tmp_path, env={"VLLM_DDTREE_TRIAL_SECONDS": "0.02"})
+    shadows = tmp_path / "shadows.jsonl"
+    res = _ddtree(tiny_pair, tmp_path, setup="tests.adaptive_probe:record_shadows",
+                  env=dict(IN_PROCESS, VLLM_DDTREE_TRIAL_SECONDS="0.02",
+                           **{ENV_SHADOW_LOG: str(shadows)}))
     _assert_identical(res, plain, "adaptive ddtree (profiled cost)")
+    # Fixed trees' steps report what every smaller budget of the ladder would
+    # have committed (the tuner's shadow comparisons): no more than the step
+    # did, rising with the budget; and some
+    # fell short of the step's own count (deep nodes were accepted).
+    steps = [json.loads(line) for line in shadows.read_text().splitlines()]
+    shadowed = [s for s in steps if s["shadow"] is not None]
+    assert shadowed, "no step reported shadow counts"
+    ladder = [2, 4, 8]  # below BUDGET = 16
+    short = 0
+    for s in shadowed:
+        got = [s["shadow"][str(b)] for b in ladder]
+        assert list(s["shadow"]) == [str(b) for b in ladder]
+        assert 0 <= got[0] and got == sorted(got) and got[-1] <= s["tokens"], s
+        short += got[0] < s["tokens"]
+    assert short > 0, "no fixed tree step accepted a node past budget 2"
     dd = _budget_counts(res)
     spec = res["spec"]
     # Nodes are verified one step after they are chosen; requests that finish

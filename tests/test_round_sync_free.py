@@ -98,7 +98,9 @@ def test_one_round_without_host_sync(greedy):
         rnd.compact(slot_mapping)
         rnd.condition(aux, positions)
         counts = rnd.counts()
+        past = rnd.accepted_past([1, 2, 4])
     assert calls == []
+    assert past.tolist() == [sum(int(j) > b for j in rnd.path[:, 1:].flatten()) for b in (1, 2, 4)]
     # The round did its work: masks attached, positions rewritten and restored,
     # the walk's output and the drafter's rows consistent with the path.
     assert md.ddtree is rnd.info and rnd.info.tree_reqs() == (0, 1)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vllm_ddtree.core.compaction import compaction_rows
-from vllm_ddtree.core.tree import ancestor_mask, build_tree, walk
+from vllm_ddtree.core.tree import accepted_past, ancestor_mask, build_tree, walk
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -155,6 +155,31 @@ def test_walk_matches_naive(B):
             assert res.num_accepted[r].item() == a
             assert res.path[r].tolist() == path
     assert res.num_accepted.max().item() >= min(B, 3), "long paths must be exercised"
+
+
+def test_accepted_past_is_the_walk_of_each_smaller_budget():
+    """What the tuner's shadow comparisons rest on: a built tree of budget B
+    cut to budget b (``build_tree(..., budgets=b)``, as a fixed arm verifies)
+    walks, on the same target tokens, to as many accepted nodes fewer as
+    ``accepted_past`` counts past b, for every b at once."""
+    torch.manual_seed(5)
+    b, K, V, B = 48, 6, 4, 40
+    logits = torch.randn(b, K, V) * 3
+    full = build_tree(logits, B)
+    rng = np.random.default_rng(7)
+    # target tokens that follow the tree often, so that long paths occur
+    post = torch.tensor(np.stack([matching_post(rng, full.tokens[r].numpy(),
+                                                full.parents[r].numpy(), 0.9, V)
+                                  for r in range(b)]))
+    res = walk(full.tokens, full.parents, post, full.valid.sum(-1))
+    budgets = [1, 2, 4, 8, 16, 39]
+    past = accepted_past(res.path, budgets).tolist()
+    for cut, over in zip(budgets, past):
+        small = build_tree(logits, B, torch.full((b,), cut))
+        got = walk(small.tokens, small.parents, post, small.valid.sum(-1)).num_accepted
+        assert int(res.num_accepted.sum()) - over == int(got.sum()), cut
+    assert past[0] > past[-1] > 0, "paths past every budget must be exercised"
+    assert accepted_past(res.path, [B]).tolist() == [0]
 
 
 def test_walk_ignores_invalid_tail_of_built_trees():

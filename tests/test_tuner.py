@@ -9,11 +9,13 @@ the best arm changes.
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
-from vllm_ddtree.core.tuner import Arm, RateTuner, bucket_of, bucket_range, budget_ladder
+from vllm_ddtree.core.tuner import (Arm, RateTuner, _Bucket, _Trial, bucket_of, bucket_range,
+                                   budget_ladder)
 
 
 def test_ladder_and_buckets():
@@ -818,3 +820,119 @@ def test_new_text_remeasures_the_budgets_on_the_rising_side():
     assert tuner.best(1) == Arm("plain")
     assert {"fixed2", "fixed4", "fixed8"} <= set(later)
     assert sum(name in ("fixed16", "fixed32", "fixed64") for name in later) <= 2, later
+
+
+# ------------------------------------------------------------ shadow comparisons
+def _poisson(u: float, mean: float) -> int:
+    k, p = 0, math.exp(-mean)
+    cdf = p
+    while u > cdf and k < 15:
+        k += 1
+        p *= mean / k
+        cdf += p
+    return k
+
+
+def _text_steps(tuner, n, step_ms, scale, seed, shadow=True, text_seconds=0.4):
+    """``n`` steps at one request on text whose difficulty changes every
+    ``text_seconds`` (a prompt's saturated acceptance, 1.5 to 10): budget b
+    commits 1 + Poisson(m (1 - exp(-b / scale))) tokens, every budget from
+    the same draw (a tree's first b nodes are budget b's tree), each step
+    takes ``step_ms[b]`` +-3 % (b = 0: plain). Reports shadow counts for the
+    budgets below a fixed arm's when ``shadow``. Returns the seconds each
+    arm ran and the tokens delivered."""
+    rng = random.Random(seed)
+    clock, text_end, m = 0.0, 0.0, 1.0
+    ran, tokens = {}, 0.0
+    ladder = budget_ladder(tuner.budget)
+    for _ in range(n):
+        if clock >= text_end:
+            m, text_end = rng.choice((1.5, 3.0, 6.0, 10.0)), clock + text_seconds
+        arm = tuner.arm(1)
+        b = arm.budget if arm.kind == "fixed" else 0
+        u = rng.random()
+        got = 1 + (_poisson(u, m * (1 - math.exp(-b / scale))) if b else 0)
+        cut = {x: 1 + _poisson(u, m * (1 - math.exp(-x / scale))) for x in ladder if x < b}
+        sec = step_ms[b] * 1e-3 * (1 + 0.03 * (2 * rng.random() - 1))
+        tuner.observe(1, got, sec, verified=1 + b, drafted=bool(b),
+                      shadow=cut if shadow and b else None)
+        ran[arm.name] = ran.get(arm.name, 0.0) + sec
+        tokens += got
+        clock += sec
+    return ran, tokens, clock
+
+
+# fixed 8 is best (about 1.15x fixed 16, 1.3x plain); each trial's text moves
+# every tree's rate several-fold, so comparisons across trials are noise
+SHADOW_STEP_MS = {0: 3.0, 2: 9.0, 4: 9.5, 8: 10.0, 16: 14.0, 32: 22.0, 64: 40.0}
+
+
+def test_shadow_comparisons_find_the_best_budget_where_text_drowns_trial_comparisons():
+    """With shadow counts the tuner spends most of its time on the best
+    budget, and delivers more than the same tuner judging every arm by its
+    own trials on the same seeds (text changing every 0.4 s)."""
+    shares, rates = {True: [], False: []}, {True: [], False: []}
+    for seed in range(6):
+        for shadow in (True, False):
+            ran, tokens, clock = _text_steps(RateTuner(64, with_model=False), 3000,
+                                             SHADOW_STEP_MS, 4.0, seed, shadow=shadow)
+            shares[shadow].append(ran.get("fixed8", 0.0) / clock)
+            rates[shadow].append(tokens / clock)
+    assert sum(shares[True]) / 6 > 0.5, shares[True]
+    assert sum(shares[True]) > sum(shares[False]) + 0.6, (shares[True], shares[False])
+    assert sum(rates[True]) > 1.03 * sum(rates[False]), (rates[True], rates[False])
+
+
+def test_an_arm_the_incumbent_shadows_is_only_timed_by_its_own_trials():
+    """Under a fixed incumbent, a trial of plain (shadowed: one token per
+    request on any text) ends after ``min_steps`` counted steps, not
+    ``trial_seconds`` of them, and records no comparison of its own; its
+    comparisons come from the incumbent's trials, one per trial."""
+    tuner = RateTuner(16, with_model=False, min_steps=8)
+    step_ms = {0: 3.0, 2: 9.0, 4: 9.5, 8: 10.0, 16: 14.0}
+    _text_steps(tuner, 1500, step_ms, 4.0, seed=1, text_seconds=1e9)  # one text: m fixed
+    bucket = tuner._buckets[0]
+    best = tuner._by_name[bucket.best]
+    assert best.kind == "fixed" and "plain" in bucket.stats[best.name].shadows
+    plain_trials = [h for h in tuner.history if h.arm == "plain" and h.best == best.name]
+    assert plain_trials and all(h.steps == 8 and h.ratio is None for h in plain_trials)
+    # one shadow comparison per incumbent trial: plain's log ratios grow with them
+    before = list(bucket.stats["plain"].logs)
+    n_best = bucket.stats[best.name].trials
+    while bucket.stats[best.name].trials == n_best:
+        _text_steps(tuner, 1, step_ms, 4.0, seed=2, text_seconds=1e9)
+    assert len(bucket.stats["plain"].logs) == min(len(before) + 1, tuner.window)
+
+
+def test_shadows_need_a_fresh_timing_at_the_same_batch_size():
+    """A shadow comparison needs the arm's own step time, measured at most
+    ``shadow_seconds`` ago at a batch size within a quarter of the trial's:
+    without one the arm is not compared (its timing trial runs instead)."""
+    tuner = RateTuner(8, with_model=False, shadow_seconds=1.0)
+    bucket_steps = {0: 3.0, 2: 9.0, 4: 9.5, 8: 10.0}
+    _text_steps(tuner, 800, bucket_steps, 4.0, seed=3, text_seconds=1e9)
+    bucket = tuner._buckets[0]
+    name = next(n for n in ("plain", "fixed2", "fixed4") if n in bucket.stats)
+    st = bucket.stats[name]
+    trial = _Trial(Arm("fixed", 8), 0, counted=4, reqs=4.0, shadow={name: 8.0})
+    assert name in tuner._shadow_rates(bucket, trial)
+    st.at = tuner._clock - 1.5  # timed too long ago
+    assert tuner._shadow_rates(bucket, trial) == {}
+    st.at = tuner._clock
+    assert name in tuner._shadow_rates(bucket, _Trial(Arm("fixed", 8), 0, counted=4,
+                                                       reqs=4.0 * 1.2, shadow={name: 8.0}))
+    assert tuner._shadow_rates(bucket, _Trial(Arm("fixed", 8), 0, counted=4, reqs=4.0 * 2,
+                                              shadow={name: 8.0})) == {}
+
+
+def test_shadows_count_only_below_a_fixed_arms_budget():
+    """Shadow counts of a budget at or above the arm's, or of the model's
+    steps (per-request budgets), are not the arm's tree cut short: ignored."""
+    tuner = RateTuner(16)
+    for arm, shadow, expect in ((Arm("fixed", 8), {4: 3.0, 8: 5.0, 16: 6.0}, {"fixed4", "plain"}),
+                                (Arm("model", 16), {4: 3.0}, set())):
+        tuner._trial = _Trial(arm, 0)
+        tuner._buckets[0] = tuner._buckets.get(0) or _Bucket()
+        for _ in range(2):
+            tuner.observe(1, 5.0, 0.01, verified=9, drafted=True, shadow=shadow)
+        assert set(tuner._trial.shadow) == expect

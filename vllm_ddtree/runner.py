@@ -112,6 +112,7 @@ class DDTreeRunnerMixin:
         # second each arm delivers (core/tuner.py; None with a pinned cost
         # model, under which the model decides alone)
         self.ddtree_tuner: RateTuner | None = None
+        self.ddtree_shadow_budgets: list[int] = []
         self.ddtree_best: dict[int, str] = {}  # bucket -> best arm last logged
         self.ddtree_best_seen: tuple[int, int] | None = None  # (trials closed, bucket) then
         # Plain steps' tokens whose drafter context K/V is not stored yet,
@@ -384,7 +385,12 @@ class DDTreeRunnerMixin:
         if self.ddtree is not None and self.ddtree_step is not None:
             sampled = getattr(out, "sampled_token_ids", None)
             if sampled is not None:  # the tokens this step committed
-                self.ddtree_step["emitted"] = sum(len(t) for t in sampled)
+                emitted = sum(len(t) for t in sampled)
+                self.ddtree_step["emitted"] = emitted
+                past = self.ddtree_step.pop("past", None)
+                if past is not None:
+                    self.ddtree_step["shadow"] = {
+                        b: emitted - n for b, n in zip(self.ddtree_shadow_budgets, past.tolist())}
         if self.ddtree is not None and self.ddtree_tp is not None:
             self.ddtree_tp.verify()
         if self.ddtree is not None and self.ddtree_guarded:
@@ -478,6 +484,10 @@ class DDTreeRunnerMixin:
         step, self.ddtree_gdn_step = self.ddtree_gdn_step, None
         if step is not None:
             step.commit(rnd.path, rnd.num_accepted)
+        if self.ddtree_step is not None and self.ddtree_shadow_budgets:
+            # what smaller budgets would have committed on these draws (the tuner's
+            # shadow comparisons); read back with the sampled tokens
+            self.ddtree_step["past"] = rnd.accepted_past(self.ddtree_shadow_budgets)
         if self.ddtree_policy is not None:
             outcomes = rnd.node_outcomes()
             if outcomes is not None:
@@ -884,6 +894,9 @@ class DDTreeRunnerMixin:
         self.ddtree_policy = AdaptivePolicy(self.ddtree.budget, cost, self.device)
         if not pinned:
             self.ddtree_tuner = RateTuner(self.ddtree.budget, **_tuner_overrides())
+            # the budgets whose shadow counts every fixed tree step reports
+            self.ddtree_shadow_budgets = [a.budget for a in self.ddtree_tuner.arms
+                                          if a.kind == "fixed" and a.budget < self.ddtree.budget]
 
     @torch.inference_mode()
     def _ddtree_profile_costs(self, max_tokens: int, max_reqs: int) -> CostModel:
@@ -941,7 +954,8 @@ class DDTreeRunnerMixin:
             tuner = self.ddtree_tuner
             if tuner is not None and "emitted" in last:
                 tuner.observe(last["reqs"], last["emitted"], step_s, counted=last["decoding"],
-                              verified=last["tokens"], drafted="draft" in last)
+                              verified=last["tokens"], drafted="draft" in last,
+                              shadow=last.get("shadow"))
                 # a bucket's best arm changes only when a trial closes
                 seen = (tuner.closed, bucket_of(last["reqs"]))
                 if seen != self.ddtree_best_seen:

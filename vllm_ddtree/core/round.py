@@ -373,6 +373,15 @@ class TreeRound:
         hit.scatter_(1, self.path.clamp(min=0), True)  # -1 pads land on the root column
         return self.logq, verified, hit[:, 1:] & verified
 
+    def accepted_past(self, budgets: Sequence[int]) -> Tensor | None:
+        """``[len(budgets)]`` after :meth:`verify`: how many accepted draft
+        nodes, over all requests, lie past each budget ``b`` in flat order
+        (index ``> b``). A tree's first ``b`` nodes are the tree a budget of
+        ``b`` verifies, and flat indices rise along a path, so the step would
+        have committed this many tokens fewer had every request verified
+        only its first ``b`` nodes: the same draws, the same walk, cut short."""
+        return None if self.path is None else tree_ops.accepted_past(self.path, budgets)
+
     def counts(self) -> StepCounts | None:
         if self.num_accepted is None:
             return None

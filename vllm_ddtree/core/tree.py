@@ -50,6 +50,7 @@ __all__ = [
     "build_tree",
     "ancestor_mask",
     "walk",
+    "accepted_past",
     "process_logits",
     "sample_posterior",
     "SAMPLING_EPS",
@@ -367,6 +368,16 @@ def walk(
     out = out.scatter(1, rank - ok.long(), tokens)  # accepted: rank - 1; others: n (dump)
     out = out.scatter(1, num_accepted[:, None], post.gather(1, last))[:, :n]
     return WalkResult(out, num_accepted, path)
+
+
+def accepted_past(path: Tensor, budgets) -> Tensor:
+    """``[len(budgets)]``: the accepted draft nodes of a walk (``path``, as
+    :func:`walk` returns it), over all requests, whose flat index is past
+    each budget ``b``. A tree's first ``b`` nodes are the tree of budget
+    ``b`` and an accepted path's flat indices rise, so the walk of that
+    smaller tree, on the same target tokens, accepts this many nodes fewer."""
+    cut = torch.as_tensor(list(budgets), dtype=path.dtype, device=path.device)
+    return (path[None, :, 1:] > cut[:, None, None]).sum((1, 2))
 
 
 # --------------------------------------------------------------------------

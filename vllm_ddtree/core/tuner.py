@@ -108,6 +108,27 @@ Choice, per batch-size bucket (1, 2-7, 8-31, 32-127, ...)
     time is measured again, so a load that shifts or a machine that gets
     busy is noticed. Only measured rates decide.
 
+Shadow comparisons
+    A fixed tree's first ``b`` nodes are the tree budget ``b`` verifies, and
+    the walk accepts a path whose flat indices rise, so every step of a
+    fixed arm also says what each smaller budget would have committed on the
+    same draws (its accepted path cut at ``b``; the runner reports these
+    counts, ``observe(shadow=...)``), and plain commits one token per request
+    on any text. Such an arm's rate on the trial's own steps is those tokens
+    over its own typical step, timed by its latest trial (if that ended at
+    most ``shadow_seconds`` ago, at a batch size within a quarter of this
+    one's). When a trial closes, every arm it shadows is compared with the
+    incumbent where the incumbent is the trial's arm or one it shadows, and
+    the trial's arm itself with the incumbent it shadows: the same steps on
+    both sides, so the text, which moves a tree's rate several-fold from one
+    trial to the next at one request, no longer weighs on the comparison;
+    only step times, which the text does not move, are measured apart. An
+    arm that the incumbent's steps shadow is compared that way only: its own
+    trials time its steps (``min_steps`` of them) and are charged to
+    exploring at its shadowed relative rate. A trial cut short on hard
+    text is compared on that same hard text. Comparisons across trials
+    remain for the arms above the incumbent's budget and for the model.
+
 New text (``admit``)
     A tree's rate depends on the text being decoded, plain's does not: under
     a plain incumbent no measured rate moves when the text turns easy. Once
@@ -169,6 +190,7 @@ import statistics
 from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import NamedTuple
 
 __all__ = ["Arm", "RateTuner", "TrialRecord", "bucket_of", "bucket_range", "budget_ladder", "tuner_arms"]
@@ -273,6 +295,8 @@ class _ArmStats:
     recent: list[float] = field(default_factory=list)  # its latest three trials' rates
     at: float = -math.inf  # engine time when its latest trial ended
     step: float = 0.0  # typical seconds of a counted step in its latest trial
+    reqs: float = 0.0  # mean batch size of its latest trial
+    shadows: frozenset[str] = frozenset()  # the arms its latest trial's steps shadowed
     admitted: int = 0  # requests admitted (RateTuner.admit) when its latest trial began
     trials: int = 0
     weight: float = 0.0  # discounted number of trials
@@ -317,6 +341,10 @@ class _Trial:
     # kinds of steps (the model's plain steps, drafting steps and tree steps)
     # is timed kind by kind
     step_seconds: dict[tuple[int, bool], list[float]] = field(default_factory=dict)
+    reqs: float = 0.0  # sum over counted steps of the batch size
+    # counted steps' tokens per request had every request verified only its
+    # first b nodes (``observe(shadow=...)``), by arm name; plain's included
+    shadow: dict[str, float] = field(default_factory=dict)
 
 
 class RateTuner:
@@ -329,7 +357,8 @@ class RateTuner:
                  window: int = 6, min_comparisons: int = 3, clip: float = 3.0,
                  explore_share: float = 0.02, with_model: bool = True,
                  stale_seconds: float | None = None,
-                 start_credit: float | None = None) -> None:
+                 start_credit: float | None = None,
+                 shadow_seconds: float | None = None) -> None:
         if budget < 1:
             raise ValueError(f"RateTuner: budget must be >= 1, got {budget}")
         if trial_seconds <= 0 or min_steps < 1:
@@ -359,6 +388,8 @@ class RateTuner:
         self.explore_share = explore_share
         self.start_credit = start_credit
         self.stale_seconds = 10 * trial_seconds if stale_seconds is None else stale_seconds
+        self.shadow_seconds = (3 * self.stale_seconds if shadow_seconds is None
+                               else shadow_seconds)
         self.arms = tuner_arms(budget, with_model)
         self._by_name = {a.name: a for a in self.arms}
         self._ladder = [a.name for a in self.arms if a.kind == "fixed"]  # budgets, ascending
@@ -394,14 +425,18 @@ class RateTuner:
         self._admitted += int(num_new)
 
     def observe(self, num_reqs: int, tokens: float, seconds: float, counted: bool = True,
-                verified: int | None = None, drafted: bool = False) -> None:
+                verified: int | None = None, drafted: bool = False,
+                shadow: Mapping[int, float] | None = None) -> None:
         """One step of the current trial: its committed tokens and its busy
         seconds (idle time between steps left out: ``core/step_clock.py``;
         counted, an idle gap would charge exploring for time nobody lost).
         ``counted`` False (a prefill in the step, or nothing decoding) leaves
         the trial's numbers alone. ``verified`` (the step's query tokens:
         requests plus draft nodes) and ``drafted`` (the drafter ran in the
-        step) sort steps into kinds timed apart (None, False: one kind)."""
+        step) sort steps into kinds timed apart (None, False: one kind).
+        ``shadow`` (a fixed arm's step): for budgets ``b`` of the ladder below
+        the arm's, the tokens the step would have committed had every request
+        verified only its first ``b`` nodes (see "Shadow comparisons")."""
         if tokens < 0 or seconds < 0:
             raise ValueError("RateTuner.observe: tokens and seconds must be >= 0")
         self._clock += seconds
@@ -421,6 +456,13 @@ class RateTuner:
         trial.counted += 1
         trial.per_request += tokens / num_reqs
         trial.seconds += seconds
+        trial.reqs += num_reqs
+        if shadow is not None and trial.arm.kind == "fixed":
+            for b, got in shadow.items():
+                if b < trial.arm.budget and f"fixed{b}" in self._by_name:
+                    name = f"fixed{b}"
+                    trial.shadow[name] = trial.shadow.get(name, 0.0) + got / num_reqs
+            trial.shadow["plain"] = trial.shadow.get("plain", 0.0) + 1.0
         kind = (int(verified).bit_length() if verified else 0, bool(drafted))
         trial.step_seconds.setdefault(kind, []).append(seconds)
         if self._long_enough(trial) or self._far_behind(trial):
@@ -514,9 +556,22 @@ class RateTuner:
 
     def _long_enough(self, trial: _Trial) -> bool:
         """``min_steps`` counted steps and ``trial_seconds`` of typical steps
-        (counted steps times their typical time: stalls do not shorten a trial)."""
-        return (trial.counted >= self.min_steps and trial.seconds >= self.trial_seconds
-                and _typical_seconds(trial) >= self.trial_seconds)
+        (counted steps times their typical time: stalls do not shorten a trial);
+        ``min_steps`` alone for an arm the incumbent's steps shadow, whose
+        trial only times its steps."""
+        if trial.counted < self.min_steps:
+            return False
+        if self._shadowed(self._buckets[trial.bucket], trial.arm.name):
+            return True
+        return trial.seconds >= self.trial_seconds and _typical_seconds(trial) >= self.trial_seconds
+
+    @staticmethod
+    def _shadowed(bucket: _Bucket, name: str) -> bool:
+        """Whether the incumbent's steps say what ``name`` delivers on the same
+        text (its latest trial reported ``name``'s shadow: plain, or a budget
+        below the incumbent's)."""
+        return (bucket.best is not None and name != bucket.best
+                and name in bucket.stats[bucket.best].shadows)
 
     def _far_behind(self, trial: _Trial) -> bool:
         """A trial of an arm other than the bucket's best that is clearly
@@ -550,38 +605,101 @@ class RateTuner:
         st.recent = (st.recent + [rate])[-3:]
         st.at = self._clock
         st.step = _typical_seconds(trial) / max(trial.counted, 1)
+        st.reqs = trial.reqs / max(trial.counted, 1)
+        st.shadows = frozenset(trial.shadow)
         st.admitted = trial.admitted
         st.trials += 1
         st.weight += 1.0
         bucket.trials += 1
         bucket.last = name
         self.closed += 1
+        shadow = self._shadow_rates(bucket, trial)
+        shadowed = self._shadowed(bucket, name)
         if bucket.best is not None and bucket.best != name:
             # exploring's cost: the time this trial lost against the incumbent
-            ref = bucket.stats[bucket.best].last
-            bucket.credit -= self._spent(trial, st) * max(0.0, 1.0 - rate / ref) if ref else 0.0
-        ratio = self._compare(bucket, name, st, rate, trial.seconds)
+            # (its relative rate from the incumbent's own steps where they
+            # shadow it; on this trial's text where its steps shadow the
+            # incumbent; else against the incumbent's latest trial)
+            ref = shadow.get(bucket.best, bucket.stats[bucket.best].last)
+            rel = st.rel if shadowed and st.rel is not None else (rate / ref if ref else 1.0)
+            bucket.credit -= self._spent(trial, st) * max(0.0, 1.0 - rel)
+        was_best = bucket.best == name
+        self._compare_shadows(bucket, shadow, name, rate, trial.admitted)
+        if (was_best and bucket.best != name) or shadowed:
+            # an arm below it took over; or an arm the incumbent's own steps
+            # compare on the same text, whose trial only timed its steps
+            ratio = None
+        else:
+            ratio = self._compare(bucket, name, st, rate, trial.seconds, shadow.get(bucket.best))
         n = max(trial.counted, 1)
         self.history.append(TrialRecord(trial.bucket, name, rate, trial.counted,
                                         trial.per_request / n,
                                         1e3 * _typical_seconds(trial) / n, ratio,
                                         bucket.best, self._clock, bucket.credit))
 
+    def _shadow_rates(self, bucket: _Bucket, trial: _Trial) -> dict[str, float]:
+        """What the arms below a fixed trial's budget (and plain) would have
+        delivered on the trial's own steps: their tokens from the walk's
+        accepted paths cut at their budget, over their own typical step time
+        (from their latest trial, if it ended at most ``shadow_seconds``
+        before now at a batch size within a quarter of this trial's)."""
+        n = trial.counted
+        if not trial.shadow or n == 0:
+            return {}
+        reqs = trial.reqs / n
+        out = {}
+        for name, per_request in trial.shadow.items():
+            st = bucket.stats.get(name)
+            if (st is None or st.step <= 0.0 or self._clock - st.at > self.shadow_seconds
+                    or abs(st.reqs - reqs) > 0.25 * reqs):
+                continue
+            out[name] = per_request / (n * st.step)
+        return out
+
+    def _compare_shadows(self, bucket: _Bucket, shadow: dict[str, float], name: str,
+                         rate: float, admitted: int) -> None:
+        """Shadow comparisons: every arm in ``shadow`` against the incumbent,
+        when the incumbent is the trial's arm or one of them: the same steps,
+        the same text, so the text that moves a tree's rate from trial to
+        trial moves both sides alike. The arm measured this way counts as
+        measured on the trial's text (the new-text re-check passes it by)."""
+        rates = {**shadow, name: rate}
+        for other in sorted(shadow, key=shadow.get, reverse=True):
+            best = bucket.best
+            if best is None or other == best or best not in rates:
+                continue
+            st = bucket.stats[other]
+            st.admitted = max(st.admitted, admitted)
+            self._judge(bucket, other, st, rates[other] / rates[best], pool=False)
+
     def _compare(self, bucket: _Bucket, name: str, st: _ArmStats, rate: float,
-                 seconds: float) -> float | None:
+                 seconds: float, same: float | None = None) -> float | None:
         """Judge a closed trial against the incumbent (perhaps making it the
-        new one); its ratio over the incumbent's latest trial, if compared."""
+        new one); its ratio over the incumbent's rate on the trial's own text
+        (``same``, from its shadow) or else over the incumbent's latest
+        trial, if compared."""
         if bucket.best is None or bucket.best == name:
             bucket.best, st.rel = name, 1.0  # the incumbent sets the scale
             return None
-        # A challenger is judged against the incumbent's latest trial, which
-        # ran just before it (the incumbent runs almost always): both saw the
-        # same load and context lengths, so a rate that drifts as requests
-        # grow (every arm slows down together) does not decide.
-        incumbent = bucket.stats[bucket.best]
-        if self._stale(incumbent, before=seconds):
-            return None  # no recent trial of the incumbent to compare with
-        ratio = rate / incumbent.last
+        if same is not None:
+            ratio = rate / same
+        else:
+            # A challenger is judged against the incumbent's latest trial,
+            # which ran just before it (the incumbent runs almost always):
+            # both saw the same load and context lengths, so a rate that
+            # drifts as requests grow (every arm slows down together) does
+            # not decide.
+            incumbent = bucket.stats[bucket.best]
+            if self._stale(incumbent, before=seconds):
+                return None  # no recent trial of the incumbent to compare with
+            ratio = rate / incumbent.last
+        self._judge(bucket, name, st, ratio, pool=True)
+        return ratio
+
+    def _judge(self, bucket: _Bucket, name: str, st: _ArmStats, ratio: float,
+               pool: bool) -> None:
+        """One paired comparison of ``name`` against the incumbent: its
+        relative rate and log ratios, and the switch when they are ahead."""
         # one comparison moves the estimates by at most `clip` either way: a
         # reference trial that a busy machine slowed must not make a
         # challenger look several times faster (nor one arm far behind
@@ -592,7 +710,7 @@ class RateTuner:
         st.logs.append(log)
         del st.logs[:-self.window]
         pooled = False
-        if self._by_name[name].drafts and not self._by_name[bucket.best].drafts:
+        if pool and self._by_name[name].drafts and not self._by_name[bucket.best].drafts:
             bucket.trees.append(log)
             del bucket.trees[:-self.window]
             pooled = self._surely_ahead(bucket.trees)
@@ -615,7 +733,6 @@ class RateTuner:
             bucket.recheck = (bucket.best, st.trials)
             bucket.best = name
             bucket.trees = []
-        return ratio
 
     def _surely_ahead(self, logs: list[float]) -> bool:
         """Whether a challenger's paired log ratios (at least three) put its

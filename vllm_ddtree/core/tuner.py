@@ -557,11 +557,14 @@ class RateTuner:
     def _long_enough(self, trial: _Trial) -> bool:
         """``min_steps`` counted steps and ``trial_seconds`` of typical steps
         (counted steps times their typical time: stalls do not shorten a trial);
-        ``min_steps`` alone for an arm the incumbent's steps shadow, whose
-        trial only times its steps."""
+        ``min_steps`` alone for a challenger whose steps and the incumbent's
+        shadow one another (its comparison is made on one text, and what is
+        measured apart is step time, which the text does not move)."""
         if trial.counted < self.min_steps:
             return False
-        if self._shadowed(self._buckets[trial.bucket], trial.arm.name):
+        bucket = self._buckets[trial.bucket]
+        if self._shadowed(bucket, trial.arm.name) or (bucket.best is not None
+                                                      and bucket.best in trial.shadow):
             return True
         return trial.seconds >= self.trial_seconds and _typical_seconds(trial) >= self.trial_seconds
 
@@ -782,11 +785,14 @@ class RateTuner:
             # requests fixed 32 took over on easy text at a round's end and,
             # its re-check cut short, led through two rounds at 0.3-0.8x plain)
             return self._by_name[bucket.recheck[0]]
-        if bucket.best is not None and bucket.last != bucket.best:
+        if (bucket.best is not None and bucket.last != bucket.best
+                and bucket.best not in bucket.stats[bucket.last].shadows):
             # the incumbent between two challengers: each is compared with a
             # trial of its own, so one reference that a busy machine slowed
             # or sped up neither lifts nor buries every arm tried after it
-            # (nor gives one challenger several comparisons against it)
+            # (nor gives one challenger several comparisons against it);
+            # not after one whose own steps shadowed the incumbent: its
+            # reference was in them
             return self._by_name[bucket.best]
         if bucket.best is not None and bucket.credit < 0.0:
             # exploring's budget is spent: the incumbent, until it is earned
@@ -822,12 +828,19 @@ class RateTuner:
             st = measured[name]
             bonus = self.explore * math.sqrt(math.log(1.0 + total) / max(st.weight, 1e-6))
             rel = st.rel
-            if name != bucket.best and now and st.last:
+            if (name != bucket.best and now and st.last
+                    and not (self._by_name[bucket.best].kind == "fixed"
+                             and (self._shadowed(bucket, name) or bucket.best in st.shadows))):
                 # or what it delivered when last measured, over what the
                 # incumbent delivers now: an incumbent whose own rate
                 # collapsed (text its drafter cannot predict) has its
                 # challengers re-measured at once, where their relative
-                # rates, measured against it in better times, would bury them
+                # rates, measured against it in better times, would bury them.
+                # (Not under a fixed incumbent whose steps shadow the arm's, or
+                # the arm's its: their relative rate was measured on one text,
+                # and a trial on easy text over the incumbent's on hard text
+                # says nothing. Under plain, whose rate the text never moves,
+                # it is what re-measures a tree that did well on easy text.)
                 rel = max(rel, st.last / now)
             return rel + bonus
 

@@ -9,7 +9,8 @@ DDTree, at most 64 nodes, compiled, greedy) in this process on
 every step the tuner is told about (``RateTuner.observe``): the arm that
 decided it, the requests, the tokens committed, the busy seconds charged
 (the runner's step plus the engine's gap to the next one, idle left out),
-the raw gap, the query tokens verified and whether the drafter ran.
+the raw gap, the query tokens verified, whether the drafter ran, the shadow
+counts the runner reported, and the bucket's incumbent and exploring budget.
 
 It prints, per arm, the counted steps, the median step time and gap, the
 tokens per request per step and the rate they make (tokens/s per request);
@@ -111,13 +112,18 @@ def record(config: str, concurrency: int, batches: int, max_tokens: int | None,
         return a
 
     def observe_recorded(self, num_reqs, tokens, seconds, counted=True, verified=None,
-                         drafted=False):
+                         drafted=False, shadow=None):
+        bucket = self._buckets.get(tuner.bucket_of(num_reqs))
         steps.append({"arm": chosen[0], "reqs": num_reqs, "tokens": tokens,
                       "seconds": round(seconds, 7), "gap": round(last_gap[0], 7),
                       "counted": counted, "verified": verified, "drafted": drafted,
+                      "shadow": None if shadow is None else {str(b): n for b, n in shadow.items()},
+                      "best": bucket.best if bucket is not None else None,
+                      "credit": round(bucket.credit, 4) if bucket is not None else None,
+                      "texts": round(self._texts, 2),
                       "batch": batch[0], "forward_us": round(done.get("forward", 0.0), 1),
                       "schedule_us": round(done.get("schedule", 0.0), 1)})
-        return observe(self, num_reqs, tokens, seconds, counted, verified, drafted)
+        return observe(self, num_reqs, tokens, seconds, counted, verified, drafted, shadow)
 
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner

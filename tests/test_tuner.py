@@ -720,8 +720,8 @@ def test_a_plain_incumbent_remeasures_the_trees_on_new_text():
     request decoding is new since the trees' latest trial, one tree is
     measured again: within a few easy prompts a tree leads again (fixed 8,
     or fixed 4 at 0.9x of it on the way), and the easy prompts after that
-    run at least 90 % of fixed 8's rate. Without the admissions (the rule
-    off) plain keeps the lead through the easy prompts."""
+    run at least 90 % of fixed 8's rate. Without the admissions and the
+    tokens (the rule off) plain keeps the lead through the easy prompts."""
     texts = [True] * 10 + [False] * 20 + [True] * 30
     for seed in range(4):
         out = _requests(RateTuner(8, with_model=False), texts, seed=seed)
@@ -730,8 +730,24 @@ def test_a_plain_incumbent_remeasures_the_trees_on_new_text():
         assert back is not None and back <= 36, (seed, back)
         late = [rate for rate, _ in out[back + 2:]]
         assert sum(late) / len(late) > 0.9 * 200.0, (seed, late)
-    off = _requests(RateTuner(8, with_model=False), texts, seed=0, admit=False)
+    off = _requests(RateTuner(8, with_model=False, text_tokens=math.inf), texts, seed=0,
+                    admit=False)
     assert all(best == Arm("plain") for _, best in off[29:]), off[29:]
+
+
+def test_one_long_request_whose_text_turns_easy_gets_its_trees_back():
+    """One request throughout (no admissions): hard text for 10 s, then easy
+    text. Under the plain incumbent of the hard stretch, every 512 tokens
+    committed count as new text, so the trees are measured again and one
+    leads within a few seconds of easy text."""
+    texts = [False] * 10 + [True] * 20
+    for seed in range(4):
+        tuner = RateTuner(8, with_model=False)
+        tuner.admit(1)
+        out = _requests(tuner, texts, seed=seed, admit=False)
+        assert out[9][1] == Arm("plain"), seed
+        back = next((i for i in range(10, 30) if out[i][1].drafts), None)
+        assert back is not None and back <= 16, (seed, back)
 
 
 def test_new_text_costs_little_where_trees_never_pay():

@@ -131,10 +131,16 @@ Shadow comparisons
 
 New text (``admit``)
     A tree's rate depends on the text being decoded, plain's does not: under
-    a plain incumbent no measured rate moves when the text turns easy. Once
-    as many requests were admitted since the bucket's latest such re-check as
-    the bucket now decodes, the challenger whose latest trial began longest
-    ago (before those requests came) runs once, within the budget below;
+    a plain incumbent no measured rate moves when the text turns easy. New
+    text is counted in requests: each one admitted, and under a plain
+    incumbent every ``text_tokens`` (512) tokens committed, since a request's
+    text moves as it decodes (at one request a benchmark round is one
+    1024-token completion, and a hard stretch of it made plain the incumbent
+    for the rest of it; under a tree incumbent the tree's own rate follows
+    the text, and the shadows of the arms below it with it). Once as much
+    new text came since the bucket's latest such re-check as the bucket now
+    decodes requests, the challenger whose latest trial began longest ago
+    (before that text) runs once, within the budget below;
     successive turnovers go round the challengers on the rising side of the
     best budget (as in the cold start), and round the others only when none
     of those is due: a budget past a fall is the likeliest to lose, and text
@@ -297,7 +303,7 @@ class _ArmStats:
     step: float = 0.0  # typical seconds of a counted step in its latest trial
     reqs: float = 0.0  # mean batch size of its latest trial
     shadows: frozenset[str] = frozenset()  # the arms its latest trial's steps shadowed
-    admitted: int = 0  # requests admitted (RateTuner.admit) when its latest trial began
+    admitted: float = 0.0  # texts seen (RateTuner._texts) when its latest trial began
     trials: int = 0
     weight: float = 0.0  # discounted number of trials
 
@@ -320,7 +326,7 @@ class _Bucket:
     # every trial behind the incumbent; below zero: only the incumbent runs)
     credit: float = 0.0
     last: str | None = None  # the arm of the bucket's latest closed trial
-    # requests admitted when an arm was last re-measured on new text
+    # texts seen when an arm was last re-measured on new text
     renewed: int = 0
     # under a plain incumbent, the latest paired log ratios of every drafting
     # challenger, in order: the text moves the trees together
@@ -331,7 +337,7 @@ class _Bucket:
 class _Trial:
     arm: Arm
     bucket: int
-    admitted: int = 0  # requests admitted when it began
+    admitted: float = 0.0  # texts seen when it began
     steps: int = 0  # reported steps so far (the first is not counted)
     counted: int = 0
     per_request: float = 0.0  # sum over counted steps of tokens / requests
@@ -358,7 +364,7 @@ class RateTuner:
                  explore_share: float = 0.02, with_model: bool = True,
                  stale_seconds: float | None = None,
                  start_credit: float | None = None,
-                 shadow_seconds: float | None = None) -> None:
+                 shadow_seconds: float | None = None, text_tokens: float = 512.0) -> None:
         if budget < 1:
             raise ValueError(f"RateTuner: budget must be >= 1, got {budget}")
         if trial_seconds <= 0 or min_steps < 1:
@@ -390,13 +396,18 @@ class RateTuner:
         self.stale_seconds = 10 * trial_seconds if stale_seconds is None else stale_seconds
         self.shadow_seconds = (3 * self.stale_seconds if shadow_seconds is None
                                else shadow_seconds)
+        if text_tokens <= 0:
+            raise ValueError(f"RateTuner: text_tokens must be > 0, got {text_tokens}")
+        self.text_tokens = text_tokens
         self.arms = tuner_arms(budget, with_model)
         self._by_name = {a.name: a for a in self.arms}
         self._ladder = [a.name for a in self.arms if a.kind == "fixed"]  # budgets, ascending
         self._buckets: dict[int, _Bucket] = {}
         self._trial: _Trial | None = None
         self._clock = 0.0  # engine time: the sum of every reported step's seconds
-        self._admitted = 0  # requests admitted so far: new text to decode
+        # new text to decode so far: requests admitted, plus the tokens committed
+        # over ``text_tokens`` (a request's text moves as it decodes)
+        self._texts = 0.0
         self.closed = 0  # trials closed so far (what the measured rates last changed with)
         # the latest trials (bounded: a server runs for days)
         self.history: deque[TrialRecord] = deque(maxlen=HISTORY)
@@ -411,18 +422,19 @@ class RateTuner:
         if trial is not None:
             self._end_early(trial)
         arm = self._next_arm(b, num_reqs)
-        self._trial = _Trial(arm, b, self._admitted)
+        self._trial = _Trial(arm, b, self._texts)
         return arm
 
     def admit(self, num_new: int) -> None:
         """``num_new`` requests joined the batch: new prompts, new text. How
         well the drafter does depends on the text, so an arm whose every
-        trial ran before the requests decoding now arrived was measured on
-        other text; one such arm is measured again per turnover of the
-        batch (see ``_next_arm``)."""
+        trial ran before the text decoding now arrived (these requests, or
+        ``text_tokens`` committed tokens per request) was measured on other
+        text; one such arm is measured again per turnover of the batch (see
+        ``_next_arm``)."""
         if num_new < 0:
             raise ValueError(f"RateTuner.admit: num_new must be >= 0, got {num_new}")
-        self._admitted += int(num_new)
+        self._texts += int(num_new)
 
     def observe(self, num_reqs: int, tokens: float, seconds: float, counted: bool = True,
                 verified: int | None = None, drafted: bool = False,
@@ -443,6 +455,8 @@ class RateTuner:
         trial = self._trial
         if trial is None:
             return
+        if self._buckets[trial.bucket].best == "plain":
+            self._texts += tokens / self.text_tokens  # (see "New text")
         if bucket_of(num_reqs) != trial.bucket:
             self._end_early(trial)
             return
@@ -660,7 +674,7 @@ class RateTuner:
         return out
 
     def _compare_shadows(self, bucket: _Bucket, shadow: dict[str, float], name: str,
-                         rate: float, admitted: int) -> None:
+                         rate: float, admitted: float) -> None:
         """Shadow comparisons: every arm in ``shadow`` against the incumbent,
         when the incumbent is the trial's arm or one of them: the same steps,
         the same text, so the text that moves a tree's rate from trial to
@@ -772,7 +786,7 @@ class RateTuner:
         if bucket is None:
             bucket = self._buckets[b] = _Bucket(order=self._cold_order(),
                                                 credit=self.start_credit,
-                                                renewed=self._admitted)
+                                                renewed=self._texts)
         if bucket.best is not None and self._stale(bucket.stats[bucket.best]):
             # (back in this bucket after a while) the incumbent first: the
             # reference the next challengers are compared with
@@ -845,7 +859,7 @@ class RateTuner:
             return rel + bonus
 
         turnover = max(int(num_reqs), 1)
-        if self._admitted - bucket.renewed >= turnover:
+        if self._texts - bucket.renewed >= turnover:
             # as many requests came since the latest re-check as decode now:
             # the challengers whose latest trial began before them were
             # measured on other text. One hard prompt can bury every tree
@@ -856,9 +870,9 @@ class RateTuner:
             # trial far behind ends within a few steps, and the budget above
             # caps what these re-checks lose)
             old = [n for n in measured if n != bucket.best
-                   and self._admitted - measured[n].admitted >= turnover]
+                   and self._texts - measured[n].admitted >= turnover]
             if old:
-                bucket.renewed = self._admitted
+                bucket.renewed = self._texts
                 rising = [n for n in old if not self._past_a_fall(bucket, n)]
                 return self._by_name[min(rising or old, key=lambda n: (measured[n].admitted,
                                                                       measured[n].at))]

@@ -10,7 +10,10 @@ finish. A step's time is its arm's (from the trial records of
 2.5x by another process, plus 10 ms when a new prompt is prefilled; a
 request's tokens per tree step are 1 plus a Poisson draw (capped at 15) whose
 mean ``m * (1 - exp(-b / s))`` rises with the budget ``b`` and saturates at
-the prompt's ``m``. Per regime it prints every fixed budget's rate over
+the prompt's ``m``; every budget's count comes from the same uniform draw
+(Poisson quantiles), so a step of budget ``b`` also reports, as the runner
+does, what each smaller budget would have committed (the tuner's shadow
+counts; ``--no-shadow`` leaves them out). Per regime it prints every fixed budget's rate over
 plain (8 seeds each) and the default's rate over the best fixed arm or
 plain, measured from ``--start`` to ``--horizon`` seconds of engine time
 (what the tuner learned before ``--start`` is a benchmark's warm-up), as the

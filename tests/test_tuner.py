@@ -953,3 +953,17 @@ def test_shadows_count_only_below_a_fixed_arms_budget():
         for _ in range(2):
             tuner.observe(1, 5.0, 0.01, verified=9, drafted=True, shadow=shadow)
         assert set(tuner._trial.shadow) == expect
+
+
+def test_a_challenger_whose_steps_shadow_the_incumbent_needs_few_steps():
+    """Under a fixed incumbent, a larger budget's trial shadows the incumbent
+    on its own steps: it ends after ``min_steps`` counted steps with a
+    comparison made on them (and behind: one text, step times apart)."""
+    tuner = RateTuner(64, with_model=False, min_steps=8)
+    _text_steps(tuner, 4000, SHADOW_STEP_MS, 4.0, seed=4, text_seconds=1e9)
+    bucket = tuner._buckets[0]
+    assert bucket.best == "fixed8"
+    hist = list(tuner.history)
+    above = [h for h in hist if h.best == "fixed8" and h.arm in ("fixed16", "fixed32", "fixed64")]
+    assert above and all(h.steps <= 8 and h.ratio is not None for h in above)
+    assert all(h.ratio < 1.0 for h in above), [h.ratio for h in above]

@@ -113,6 +113,7 @@ class DDTreeRunnerMixin:
         # model, under which the model decides alone)
         self.ddtree_tuner: RateTuner | None = None
         self.ddtree_shadow_budgets: list[int] = []
+        self.ddtree_shadow_cut: torch.Tensor | None = None  # the same, on the device
         self.ddtree_best: dict[int, str] = {}  # bucket -> best arm last logged
         self.ddtree_best_seen: tuple[int, int] | None = None  # (trials closed, bucket) then
         # Plain steps' tokens whose drafter context K/V is not stored yet,
@@ -487,7 +488,7 @@ class DDTreeRunnerMixin:
         if self.ddtree_step is not None and self.ddtree_shadow_budgets:
             # what smaller budgets would have committed on these draws (the tuner's
             # shadow comparisons); read back with the sampled tokens
-            self.ddtree_step["past"] = rnd.accepted_past(self.ddtree_shadow_budgets)
+            self.ddtree_step["past"] = rnd.accepted_past(self.ddtree_shadow_cut)
         if self.ddtree_policy is not None:
             outcomes = rnd.node_outcomes()
             if outcomes is not None:
@@ -894,9 +895,11 @@ class DDTreeRunnerMixin:
         self.ddtree_policy = AdaptivePolicy(self.ddtree.budget, cost, self.device)
         if not pinned:
             self.ddtree_tuner = RateTuner(self.ddtree.budget, **_tuner_overrides())
-            # the budgets whose shadow counts every fixed tree step reports
+            # the budgets whose shadow counts every tree step reports
             self.ddtree_shadow_budgets = [a.budget for a in self.ddtree_tuner.arms
                                           if a.kind == "fixed" and a.budget < self.ddtree.budget]
+            self.ddtree_shadow_cut = torch.tensor(self.ddtree_shadow_budgets, dtype=torch.long,
+                                                  device=self.device)
 
     @torch.inference_mode()
     def _ddtree_profile_costs(self, max_tokens: int, max_reqs: int) -> CostModel:

@@ -373,7 +373,7 @@ class TreeRound:
         hit.scatter_(1, self.path.clamp(min=0), True)  # -1 pads land on the root column
         return self.logq, verified, hit[:, 1:] & verified
 
-    def accepted_past(self, budgets: Sequence[int]) -> Tensor | None:
+    def accepted_past(self, budgets: Tensor | Sequence[int]) -> Tensor | None:
         """``[len(budgets)]`` after :meth:`verify`: how many accepted draft
         nodes, over all requests, lie past each budget ``b`` in flat order
         (index ``> b``). A tree's first ``b`` nodes are the tree a budget of

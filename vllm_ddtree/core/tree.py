@@ -39,6 +39,7 @@ distribution equals plain decoding.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -370,13 +371,13 @@ def walk(
     return WalkResult(out, num_accepted, path)
 
 
-def accepted_past(path: Tensor, budgets) -> Tensor:
+def accepted_past(path: Tensor, budgets: Tensor | Sequence[int]) -> Tensor:
     """``[len(budgets)]``: the accepted draft nodes of a walk (``path``, as
     :func:`walk` returns it), over all requests, whose flat index is past
     each budget ``b``. A tree's first ``b`` nodes are the tree of budget
     ``b`` and an accepted path's flat indices rise, so the walk of that
     smaller tree, on the same target tokens, accepts this many nodes fewer."""
-    cut = torch.as_tensor(list(budgets), dtype=path.dtype, device=path.device)
+    cut = torch.as_tensor(budgets, dtype=path.dtype, device=path.device)
     return (path[None, :, 1:] > cut[:, None, None]).sum((1, 2))
 
 

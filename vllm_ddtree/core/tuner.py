@@ -125,7 +125,9 @@ Shadow comparisons
     only step times, which the text does not move, are measured apart. An
     arm that the incumbent's steps shadow is compared that way only: its own
     trials time its steps (``min_steps`` of them) and are charged to
-    exploring at its shadowed relative rate. A trial cut short on hard
+    exploring at its shadowed relative rate; one runs right after an
+    incumbent trial, within exploring's budget, whenever such an arm's
+    timing has lapsed. A trial cut short on hard
     text is compared on that same hard text. Comparisons across trials
     remain for the arms above the incumbent's budget and for the model.
 
@@ -582,6 +584,20 @@ class RateTuner:
             return True
         return trial.seconds >= self.trial_seconds and _typical_seconds(trial) >= self.trial_seconds
 
+    def _timing_due(self, bucket: _Bucket) -> str | None:
+        """Right after an incumbent trial: the arm its steps shadowed whose
+        own step time is the oldest, if it is more than ``shadow_seconds``
+        old or was taken at a batch size more than a
+        quarter off the incumbent's (arms not yet measured are the cold
+        start's)."""
+        if bucket.best is None or bucket.last != bucket.best:
+            return None
+        inc = bucket.stats[bucket.best]
+        due = [n for n in inc.shadows if n in bucket.stats
+               and (self._clock - bucket.stats[n].at > self.shadow_seconds
+                    or abs(bucket.stats[n].reqs - inc.reqs) > 0.25 * inc.reqs)]
+        return min(due, key=lambda n: bucket.stats[n].at) if due else None
+
     @staticmethod
     def _shadowed(bucket: _Bucket, name: str) -> bool:
         """Whether the incumbent's steps say what ``name`` delivers on the same
@@ -808,6 +824,14 @@ class RateTuner:
             # not after one whose own steps shadowed the incumbent: its
             # reference was in them
             return self._by_name[bucket.best]
+        due = self._timing_due(bucket) if bucket.credit >= 0.0 else None
+        if due is not None:
+            # an arm the incumbent's steps shadow, timed too long ago (or at
+            # another batch size) for its shadow to count: a short timing
+            # trial, within exploring's budget (on the hybrid at one request
+            # plain's timing lapsed between two rounds, and fixed 8 ran a hard
+            # stretch at 0.4x plain)
+            return self._by_name[due]
         if bucket.best is not None and bucket.credit < 0.0:
             # exploring's budget is spent: the incumbent, until it is earned
             # back, but for the challenger measured furthest ahead of it

@@ -328,6 +328,7 @@ class _Bucket:
     # every trial behind the incumbent; below zero: only the incumbent runs)
     credit: float = 0.0
     last: str | None = None  # the arm of the bucket's latest closed trial
+    ahead: bool = False  # ... which came out ahead of the incumbent on its own steps
     # texts seen when an arm was last re-measured on new text
     renewed: int = 0
     # under a plain incumbent, the latest paired log ratios of every drafting
@@ -665,6 +666,7 @@ class RateTuner:
         else:
             ratio = self._compare(bucket, name, st, rate, trial.seconds, shadow.get(bucket.best))
         n = max(trial.counted, 1)
+        bucket.ahead = ratio is not None and ratio > 1.0 and bucket.best in shadow
         self.history.append(TrialRecord(trial.bucket, name, rate, trial.counted,
                                         trial.per_request / n,
                                         1e3 * _typical_seconds(trial) / n, ratio,
@@ -815,14 +817,16 @@ class RateTuner:
             # requests fixed 32 took over on easy text at a round's end and,
             # its re-check cut short, led through two rounds at 0.3-0.8x plain)
             return self._by_name[bucket.recheck[0]]
-        if (bucket.best is not None and bucket.last != bucket.best
-                and bucket.best not in bucket.stats[bucket.last].shadows):
+        if bucket.best is not None and bucket.last != bucket.best and not bucket.ahead:
             # the incumbent between two challengers: each is compared with a
             # trial of its own, so one reference that a busy machine slowed
             # or sped up neither lifts nor buries every arm tried after it
             # (nor gives one challenger several comparisons against it);
-            # not after one whose own steps shadowed the incumbent: its
-            # reference was in them
+            # not after one that came out ahead on steps that shadowed the
+            # incumbent: its reference was in them, and the next comparisons
+            # decide a switch (after one behind, the incumbent: on the hybrid
+            # at one request, five challengers in a row, each cut short on
+            # hard text, spent exploring's whole budget in 0.2 s)
             return self._by_name[bucket.best]
         due = self._timing_due(bucket) if bucket.credit >= 0.0 else None
         if due is not None:

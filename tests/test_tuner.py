@@ -967,3 +967,17 @@ def test_a_challenger_whose_steps_shadow_the_incumbent_needs_few_steps():
     above = [h for h in hist if h.best == "fixed8" and h.arm in ("fixed16", "fixed32", "fixed64")]
     assert above and all(h.steps <= 8 and h.ratio is not None for h in above)
     assert all(h.ratio < 1.0 for h in above), [h.ratio for h in above]
+
+
+def test_a_timing_trial_is_not_cut_short_when_far_behind():
+    """A shadowed arm's trial only times its steps: it runs its ``min_steps``
+    even when its rate is far below the incumbent's (cut after three steps,
+    the slow ones right after a switch, it would time the arm's steps too
+    long and bury it in every shadow comparison after)."""
+    tuner = RateTuner(16, with_model=False, min_steps=8, shadow_seconds=1.0)
+    step_ms = {0: 3.0, 2: 9.0, 4: 9.5, 8: 10.0, 16: 14.0}
+    _text_steps(tuner, 3000, step_ms, 4.0, seed=0, text_seconds=1e9)  # easy text: trees far ahead
+    bucket = tuner._buckets[0]
+    assert bucket.best != "plain" and bucket.stats["plain"].rel < 0.5 * 1.0
+    timed = [h for h in tuner.history if h.arm == "plain" and h.best == bucket.best]
+    assert len(timed) >= 3 and all(h.steps == 8 for h in timed), [h.steps for h in timed]

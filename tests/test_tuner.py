@@ -981,3 +981,28 @@ def test_a_timing_trial_is_not_cut_short_when_far_behind():
     assert bucket.best != "plain" and bucket.stats["plain"].rel < 0.5 * 1.0
     timed = [h for h in tuner.history if h.arm == "plain" and h.best == bucket.best]
     assert len(timed) >= 3 and all(h.steps == 8 for h in timed), [h.steps for h in timed]
+def test_a_lapsed_timing_is_taken_again_after_an_incumbent_trial():
+    """A shadowed arm's step time counts for ``shadow_seconds``; once it
+    lapsed, the arm's timing trial runs right after an incumbent trial (its
+    shadow comparisons would stop otherwise, and plain, say, would never be
+    compared again where hard text makes it the better arm)."""
+    tuner = RateTuner(16, with_model=False, shadow_seconds=1.0)
+    step_ms = {0: 3.0, 2: 9.0, 4: 9.5, 8: 10.0, 16: 14.0}
+    _text_steps(tuner, 4000, step_ms, 4.0, seed=5, text_seconds=1e9)
+    bucket = tuner._buckets[0]
+    assert bucket.best == "fixed8"
+    hist = list(tuner.history)
+    timed = [h.at for h in hist if h.arm == "plain" and h.best == "fixed8"]
+    assert len(timed) >= 8, len(timed)
+    gaps = [b - a for a, b in zip(timed, timed[1:])]
+    # re-timed within a few lapses (the timing trials are paid from
+    # exploring's budget, and wait while it is spent)
+    assert max(gaps) < 4.0, gaps
+    # and each such trial came right after one of the incumbent's
+    after = {hist[i - 1].arm for i, h in enumerate(hist) if i and h.arm == "plain"
+             and h.best == "fixed8"}
+    assert after == {"fixed8"}, after
+    # with the timings never lapsing, plain is timed rarely
+    tuner = RateTuner(16, with_model=False, shadow_seconds=1e9)
+    _text_steps(tuner, 4000, step_ms, 4.0, seed=5, text_seconds=1e9)
+    assert sum(h.arm == "plain" for h in tuner.history) < len(timed) / 4

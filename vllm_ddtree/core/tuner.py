@@ -124,7 +124,8 @@ Shadow comparisons
     trial to the next at one request, no longer weighs on the comparison;
     only step times, which the text does not move, are measured apart. An
     arm that the incumbent's steps shadow is compared that way only: its own
-    trials time its steps (``min_steps`` of them) and are charged to
+    trials time its steps (``min_steps`` of them, never cut short as far
+    behind: the steps right after a switch are slow) and are charged to
     exploring at its shadowed relative rate; one runs right after an
     incumbent trial, within exploring's budget, whenever such an arm's
     timing has lapsed. A trial cut short on hard

@@ -14,6 +14,7 @@ import random
 
 import pytest
 
+from benchmarks.tuner_sim import _accepted
 from vllm_ddtree.core.tuner import (Arm, RateTuner, _Bucket, _Trial, bucket_of, bucket_range,
                                    budget_ladder)
 
@@ -839,16 +840,6 @@ def test_new_text_remeasures_the_budgets_on_the_rising_side():
 
 
 # ------------------------------------------------------------ shadow comparisons
-def _poisson(u: float, mean: float) -> int:
-    k, p = 0, math.exp(-mean)
-    cdf = p
-    while u > cdf and k < 15:
-        k += 1
-        p *= mean / k
-        cdf += p
-    return k
-
-
 def _text_steps(tuner, n, step_ms, scale, seed, shadow=True, text_seconds=0.4):
     """``n`` steps at one request, a new one every ``text_seconds`` on text of
     its own difficulty (a prompt's saturated acceptance, 1.5 to 10): budget b
@@ -868,8 +859,8 @@ def _text_steps(tuner, n, step_ms, scale, seed, shadow=True, text_seconds=0.4):
         arm = tuner.arm(1)
         b = arm.budget if arm.kind == "fixed" else 0
         u = rng.random()
-        got = 1 + (_poisson(u, m * (1 - math.exp(-b / scale))) if b else 0)
-        cut = {x: 1 + _poisson(u, m * (1 - math.exp(-x / scale))) for x in ladder if x < b}
+        got = 1 + (_accepted(u, m * (1 - math.exp(-b / scale))) if b else 0)
+        cut = {x: 1 + _accepted(u, m * (1 - math.exp(-x / scale))) for x in ladder if x < b}
         sec = step_ms[b] * 1e-3 * (1 + 0.03 * (2 * rng.random() - 1))
         tuner.observe(1, got, sec, verified=1 + b, drafted=bool(b),
                       shadow=cut if shadow and b else None)

@@ -587,9 +587,9 @@ class RateTuner:
         return trial.seconds >= self.trial_seconds and _typical_seconds(trial) >= self.trial_seconds
 
     def _timing_due(self, bucket: _Bucket) -> str | None:
-        """Right after an incumbent trial: the arm its steps shadowed whose
-        own step time is the oldest, if it is more than ``shadow_seconds``
-        old or was taken at a batch size more than a
+        """Right after an incumbent trial: of the arms its steps shadowed,
+        the one timed longest ago, if that timing is more than
+        ``shadow_seconds`` old or was taken at a batch size more than a
         quarter off the incumbent's (arms not yet measured are the cold
         start's)."""
         if bucket.best is None or bucket.last != bucket.best:

@@ -896,8 +896,7 @@ class DDTreeRunnerMixin:
         if not pinned:
             self.ddtree_tuner = RateTuner(self.ddtree.budget, **_tuner_overrides())
             # the budgets whose shadow counts every tree step reports
-            self.ddtree_shadow_budgets = [a.budget for a in self.ddtree_tuner.arms
-                                          if a.kind == "fixed" and a.budget < self.ddtree.budget]
+            self.ddtree_shadow_budgets = self.ddtree_tuner.shadow_budgets
             self.ddtree_shadow_cut = torch.tensor(self.ddtree_shadow_budgets, dtype=torch.long,
                                                   device=self.device)
 

@@ -416,6 +416,12 @@ class RateTuner:
         # the latest trials (bounded: a server runs for days)
         self.history: deque[TrialRecord] = deque(maxlen=HISTORY)
 
+    @property
+    def shadow_budgets(self) -> list[int]:
+        """The budgets whose shadow counts a fixed arm's steps can report:
+        the ladder below the largest."""
+        return [a.budget for a in self.arms if a.kind == "fixed" and a.budget < self.budget]
+
     # ------------------------------------------------------------ decisions
     def arm(self, num_reqs: int) -> Arm:
         """The arm for this step's drafting decision."""
@@ -477,8 +483,8 @@ class RateTuner:
         trial.reqs += num_reqs
         if shadow is not None and trial.arm.kind == "fixed":
             for b, got in shadow.items():
-                if b < trial.arm.budget and f"fixed{b}" in self._by_name:
-                    name = f"fixed{b}"
+                name = f"fixed{b}"
+                if b < trial.arm.budget and name in self._by_name:
                     trial.shadow[name] = trial.shadow.get(name, 0.0) + got / num_reqs
             trial.shadow["plain"] = trial.shadow.get("plain", 0.0) + 1.0
         kind = (int(verified).bit_length() if verified else 0, bool(drafted))

@@ -50,6 +50,13 @@ tree/chain ratio of the step time, and tokens/s and acceptance length of the
 same runs. Results: ``benchmarks/results/step_<tag>.json`` and a Markdown
 table on stdout (``--markdown`` writes it to a file too).
 
+``--held B`` compares instead a fixed-budget engine (budget ``B``, no
+adaptive budget) with the default engine (budget ``--max-budget``, adaptive)
+whose rate tuner is held at the fixed arm ``B``: the cost of a step of the
+default's fixed arm over the same step of an engine built for it::
+
+    python -m benchmarks.bench_step --held 4 --concurrency 1 4 16 --rounds 3
+
     python -m benchmarks.bench_step --plot BEFORE.json AFTER.json --out docs/step_cost.png
 
 draws, from recorded results, DDTree's extra time per stage over the chain
@@ -68,6 +75,8 @@ import time
 import traceback
 from collections import defaultdict
 from pathlib import Path
+
+from vllm_ddtree.core.tuner import budget_ladder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -187,6 +196,19 @@ def step_arms(args) -> dict[str, dict]:
     plain one without asynchronous scheduling with ``--plain-sync``."""
     if args.plain_sync and not args.plain_mode:
         raise SystemExit("--plain-sync compares plain-mode steps: add --plain-mode")
+    if args.held:
+        if args.plain_mode:
+            raise SystemExit("--held and --plain-mode are two different comparisons")
+        if args.held not in budget_ladder(args.max_budget):
+            raise SystemExit(f"--held {args.held} is not an arm of the default with budget "
+                             f"{args.max_budget} (its fixed arms: "
+                             f"{budget_ladder(args.max_budget)})")
+        return {"fixed": {"spec": {"method": "ddtree", "model": args.drafter,
+                                   "num_speculative_tokens": args.held,
+                                   "ddtree_adaptive": False}},
+                "default_held": {"spec": {"method": "ddtree", "model": args.drafter,
+                                          "num_speculative_tokens": args.max_budget},
+                                 "hold": args.held}}
     if args.plain_mode:
         plain = {"spec": None}
         if args.plain_sync:
@@ -203,6 +225,21 @@ def step_arms(args) -> dict[str, dict]:
     }
 
 
+def _hold_tuner(budget: int) -> None:
+    """Every rate tuner created from now on picks the fixed arm ``budget``
+    at every step (its trials still run and close as usual)."""
+    from vllm_ddtree.core.tuner import RateTuner
+
+    def arm(self, num_reqs):
+        held = self._by_name[f"fixed{budget}"]
+        RateTuner.arm.__wrapped__(self, num_reqs)  # keep the trials' bookkeeping
+        self._trial.arm = held
+        return held
+
+    arm.__wrapped__ = RateTuner.arm
+    RateTuner.arm = arm
+
+
 def worker(arm: dict, conn) -> None:
     """Build one engine, then serve ``("run", prompts, c, max_tokens)``
     requests on ``conn`` until ``("stop",)``."""
@@ -213,6 +250,9 @@ def worker(arm: dict, conn) -> None:
     os.environ.pop("TRITON_INTERPRET", None)
     try:
         from vllm import LLM
+
+        if arm.get("hold"):
+            _hold_tuner(arm["hold"])
 
         llm = LLM(model=arm["target"], speculative_config=arm["spec"], dtype=arm["dtype"],
                   max_model_len=2048, seed=0, enable_prefix_caching=False,
@@ -313,13 +353,20 @@ def markdown_plain(results: dict, concurrencies) -> str:
     return "\n".join(lines) + "\n"
 
 
-def markdown(results: dict, concurrencies, k: int) -> str:
+def markdown(results: dict, concurrencies, k: int, held: int = 0) -> str:
     lines = []
+    first, second = list(results)
+    if held:
+        title, head = (f"fixed B = {held} engine, default held at fixed {held}",
+                       "| stage | fixed engine | default held | held - fixed |")
+    else:
+        title, head = (f"chain K = {k}, DDTree B = {k}",
+                       "| stage | chain | DDTree | DDTree - chain |")
     for c in concurrencies:
-        chain, tree = results["chain"][c], results["ddtree"][c]
-        lines.append(f"\n**c = {c}** (chain K = {k}, DDTree B = {k}; medians, ms per step; "
+        chain, tree = results[first][c], results[second][c]
+        lines.append(f"\n**c = {c}** ({title}; medians, ms per step; "
                      f"{chain['steps']} / {tree['steps']} steps)\n")
-        lines.append("| stage | chain | DDTree | DDTree - chain |")
+        lines.append(head)
         lines.append("| --- | ---: | ---: | ---: |")
         for s in STAGES:
             a, b = chain.get(s, 0.0), tree.get(s, 0.0)
@@ -328,6 +375,9 @@ def markdown(results: dict, concurrencies, k: int) -> str:
             lines.append(f"| {s} | {a:.3f} | {b:.3f} | {b - a:+.3f} |")
         ratio = tree["step"] / chain["step"]
         lines.append(f"| **step ratio** | | **{ratio:.3f}x** | |")
+        paired = tree.get("paired_step_ratio")
+        if paired is not None:
+            lines.append(f"| step ratio (per round, median) | | {paired:.3f}x | |")
         lines.append(f"| tokens/s | {chain['tok_s']:.0f} | {tree['tok_s']:.0f} | "
                      f"{tree['tok_s'] / chain['tok_s']:.2f}x |")
         lines.append(f"| tau | {chain['tau']:.2f} | {tree['tau']:.2f} | |")
@@ -389,6 +439,10 @@ def main(argv=None) -> int:
     p.add_argument("--plain-sync", action="store_true",
                    help="with --plain-mode: the plain engine without vLLM's asynchronous "
                         "scheduling, which DDTree turns off")
+    p.add_argument("--held", type=int, default=0, metavar="B",
+                   help="a fixed-B engine vs the default held at its fixed arm B")
+    p.add_argument("--max-budget", type=int, default=64,
+                   help="with --held: the default engine's budget (default 64)")
     p.add_argument("--tag", default="latest")
     p.add_argument("--markdown", help="also write the Markdown table to this file")
     p.add_argument("--plot", nargs="+", metavar="JSON",
@@ -468,7 +522,7 @@ def main(argv=None) -> int:
         results[second][c]["paired_step_ratio"] = paired_step_ratio(raw[first][c],
                                                                     raw[second][c])
     table = (markdown_plain(results, args.concurrency) if args.plain_mode
-             else markdown(results, args.concurrency, args.k))
+             else markdown(results, args.concurrency, args.k, args.held))
     print(table)
     outdir = ROOT / "benchmarks" / "results"
     outdir.mkdir(parents=True, exist_ok=True)

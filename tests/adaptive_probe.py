@@ -121,7 +121,8 @@ ENV_SHADOW_LOG = "DDTREE_TEST_SHADOW_LOG"
 def record_shadows() -> None:
     """One JSON line per step the rate tuner observes, in
     ``$DDTREE_TEST_SHADOW_LOG``: the running trial's arm, the step's
-    requests and committed tokens, and the shadow counts the runner reported."""
+    requests and committed tokens, and the shadow counts the runner reported;
+    and one per drafted batch of trees: the arm and the trees' width."""
     from vllm_ddtree.core.tuner import RateTuner
 
     path = os.environ[ENV_SHADOW_LOG]
@@ -139,3 +140,22 @@ def record_shadows() -> None:
         return real(self, num_reqs, tokens, seconds, *args, shadow=shadow, **kwargs)
 
     RateTuner.observe = observed
+
+    # and one line per drafted batch of trees: the arm that drafted them and
+    # the trees' width (a fixed arm builds only the nodes it verifies)
+    from vllm_ddtree import runner as runner_mod
+
+    real_propose = runner_mod.DDTreeRunnerMixin.propose_draft_token_ids
+
+    def proposed(self, *args, **kwargs):
+        drafts = real_propose(self, *args, **kwargs)
+        trees, tuner = self.ddtree_trees, self.ddtree_tuner
+        trial = tuner._trial if tuner is not None else None
+        if trees is not None and trial is not None:
+            with open(path, "a") as f:
+                f.write(json.dumps({"built": trees.tree.tokens.shape[1],
+                                    "arm": trial.arm.name, "budget": trial.arm.budget})
+                        + "\n")
+        return drafts
+
+    runner_mod.DDTreeRunnerMixin.propose_draft_token_ids = proposed

@@ -75,7 +75,15 @@ def test_adaptive_profiled_greedy_identical(plain, tiny_pair, tmp_path):
     # have committed (the tuner's shadow comparisons): no more than the step
     # did, rising with the budget; and some
     # fell short of the step's own count (deep nodes were accepted).
-    steps = [json.loads(line) for line in shadows.read_text().splitlines()]
+    lines = [json.loads(line) for line in shadows.read_text().splitlines()]
+    steps = [s for s in lines if "built" not in s]
+    # A fixed arm builds trees of its own budget only (the first nodes of the
+    # full tree); the model arm builds the full budget and cuts it.
+    built = [s for s in lines if "built" in s]
+    assert any(s["arm"] == "model" for s in built), built
+    assert any(s["arm"].startswith("fixed") and s["budget"] < 16 for s in built), built
+    for s in built:
+        assert s["built"] == (s["budget"] if s["arm"].startswith("fixed") else 16), s
     shadowed = [s for s in steps if s["shadow"] is not None]
     assert shadowed, "no step reported shadow counts"
     ladder = [2, 4, 8]  # below BUDGET = 16

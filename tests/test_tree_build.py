@@ -234,3 +234,36 @@ def test_native_build_matches_torch():
         got = cpu_native.build_tree_native(lib, torch.log_softmax(logits, -1), B, budgets)
         for name, w, h in zip(want._fields, want, got):
             assert torch.equal(w, h), (name, b, K, V, B)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_smaller_budget_builds_the_first_nodes_of_a_larger_tree(native):
+    """The adaptive budget's fixed arm builds only the nodes it verifies, and
+    the rate tuner's shadow counts read a smaller budget's tree as the first
+    nodes of a larger one: without exact score ties (fp32 drafter logits),
+    the tree of budget b is the first b nodes of the tree of any larger
+    budget, node for node. (Exact ties may be broken differently at another
+    budget; either tree is lossless.)"""
+    from vllm_ddtree.core.tree import DraftTree
+    from vllm_ddtree.kernels import cpu_native
+
+    lib = cpu_native.load() if native else None
+    if native:
+        assert lib is not None, "the native CPU kernels did not build on this machine"
+
+    def build(logits, budget):
+        if native:
+            return DraftTree(*cpu_native.build_tree_native(lib, torch.log_softmax(logits, -1),
+                                                           budget))
+        return build_tree(logits, budget)
+
+    g = torch.Generator().manual_seed(5)
+    for trial in range(60):
+        K = int(torch.randint(2, 8, (1,), generator=g))
+        logits = torch.randn(3, K, 30, generator=g) * 3
+        full = build(logits, 64)
+        assert full.valid.all()
+        for small in (1, 2, 4, 8, 16, 32):
+            part = build(logits, small)
+            for name, w, h in zip(full._fields, full, part):
+                assert torch.equal(w[:, :small], h), (name, trial, small)

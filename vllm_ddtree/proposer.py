@@ -8,7 +8,10 @@ One drafting step, top-down:
 2. Instead of the per-position argmax we keep the drafter's logits
    ``[batch, depth, V]`` (:meth:`_sample_draft_tokens`).
 3. :func:`vllm_ddtree.core.tree.build_tree` turns them into the ``budget`` most
-   probable prefixes per request, in flat order (parents before children).
+   probable prefixes per request, in flat order (parents before children);
+   fewer when the runner's adaptive budget runs a fixed arm below the
+   budget (:attr:`build_budget`): a tree's first ``b`` nodes are the tree of
+   budget ``b``, so building only those gives the same tree for less.
    On CPU the same trees come from one native call
    (``kernels/cpu_native.py``) when its kernels are available.
 4. The flat tokens ``[batch, budget]`` go back to vLLM as the draft tokens;
@@ -70,6 +73,9 @@ class DDTreeProposer(DFlashProposer):
         self._tree: DraftTree | None = None
         # Set by the runner for one propose(): store context K/V only.
         self.skip_block = False
+        # Set by the runner for one propose(): build trees of at most this
+        # many nodes (the adaptive budget's fixed arm verifies no more).
+        self.build_budget: int | None = None
 
     def load_model(self, target_model) -> None:
         # Called right after the target is loaded: the attention layers that
@@ -96,6 +102,7 @@ class DDTreeProposer(DFlashProposer):
 
     def propose(self, num_speculative_tokens, *args, **kwargs) -> torch.Tensor:
         depth = self.ddtree.depth
+        narrow, self.build_budget = self.build_budget, None
         if self.skip_block:
             self.skip_block = False
             return self._store_context(depth, *args, **kwargs)
@@ -107,6 +114,8 @@ class DDTreeProposer(DFlashProposer):
         batch = logits.shape[0] // depth
         # The scheduler's num_spec_tokens_to_schedule; 0 means "not set".
         budget = int(num_speculative_tokens) or self.ddtree.budget
+        if narrow is not None:
+            budget = max(1, min(budget, narrow))
         logits = logits.view(batch, depth, -1)
         banned, self._draft_banned = self._draft_banned, None
         if banned is not None and banned.shape[-1] == logits.shape[-1]:

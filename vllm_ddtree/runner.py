@@ -295,7 +295,7 @@ class DDTreeRunnerMixin:
                 parent.fill_(-1)
             else:
                 parents = F.pad(rnd.parents, (1, 0), value=-1)
-                node = self.query_pos.gpu[:total].long().clamp(max=self.ddtree.budget)
+                node = self.query_pos.gpu[:total].long().clamp(max=rnd.budget)
                 parent.copy_(parents[self.req_indices.gpu[:total].long(), node])
             self.ddtree_gdn_step = GDNTreeStep(parent, self.ddtree_buffers)
         # the layers whose tree path the step's guard expects
@@ -571,6 +571,11 @@ class DDTreeRunnerMixin:
         if not drafting:  # the step verified drafts: the stock path drops rejected rows
             self.drafter.skip_block = True
             policy.skipped()
+        if (drafting and arm is not None and arm.kind == "fixed" and self.ddtree_tp is None
+                and not self._ddtree_pads()):
+            # a fixed arm verifies at most its budget's nodes: build only those
+            # (the first nodes of the full tree), as an engine of that budget does
+            self.drafter.build_budget = arm.budget
         clock = _Stopwatch(self.device) if policy is not None and drafting else None
         drafts = super().propose_draft_token_ids(
             scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,

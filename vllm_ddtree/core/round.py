@@ -183,6 +183,15 @@ class TreeRound:
         if max(counts) > budget:
             raise DDTreeSeamError(f"DDTree: {max(counts)} draft nodes scheduled for one "
                                   f"request, but the tree budget is {budget}")
+        if trees is not None and trees.tree.tokens.shape[1] < budget:
+            # A tree built narrower than the budget (the adaptive budget's fixed
+            # arm): the round is as wide as the tree, unless some request kept
+            # wider drafts from an older step; then the tree is padded back.
+            width = trees.tree.tokens.shape[1]
+            if max(counts) > width:
+                trees = ProposedTrees(trees.req_ids, tree_ops.widen(trees.tree, budget))
+            else:
+                budget = width
         where = {} if trees is None else {rid: i for i, rid in enumerate(trees.req_ids)}
         src = [where.get(rid, -1) if n else -1 for rid, n in zip(req_ids, counts)]
         tree_rows = tuple(r for r, i in enumerate(src) if i >= 0)
@@ -243,7 +252,10 @@ class TreeRound:
                                                 max_tree_query_len=max_len, depth=depth)
         else:
             num_tokens = positions.shape[0]
-            buffers.mask[:num_tokens].copy_(anc[ridx, node])
+            words = anc.shape[-1]  # fewer than the buffer's for a narrow tree
+            buffers.mask[:num_tokens, :words].copy_(anc[ridx, node])
+            if words < buffers.mask.shape[1]:
+                buffers.mask[:num_tokens, words:].zero_()
             buffers.depth[:num_tokens].copy_(depth)
             buffers.is_tree[: len(req_ids)].copy_(from_drafter)
             rnd.info = buffers.info(num_tokens, len(req_ids), tree_rows, max_len)

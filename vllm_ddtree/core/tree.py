@@ -51,6 +51,7 @@ __all__ = [
     "build_tree",
     "ancestor_mask",
     "walk",
+    "widen",
     "accepted_past",
     "process_logits",
     "sample_posterior",
@@ -369,6 +370,19 @@ def walk(
     out = out.scatter(1, rank - ok.long(), tokens)  # accepted: rank - 1; others: n (dump)
     out = out.scatter(1, num_accepted[:, None], post.gather(1, last))[:, :n]
     return WalkResult(out, num_accepted, path)
+
+
+def widen(tree: DraftTree, budget: int) -> DraftTree:
+    """``tree`` padded to ``budget`` columns with invalid leaves of the root
+    (log q ``-inf``), which no walk accepts."""
+    pad = budget - tree.tokens.shape[1]
+    if pad <= 0:
+        return tree
+    F = torch.nn.functional
+    return DraftTree(F.pad(tree.tokens, (0, pad)), F.pad(tree.parents, (0, pad)),
+                     F.pad(tree.depth, (0, pad), value=1),
+                     F.pad(tree.logq, (0, pad), value=float("-inf")),
+                     F.pad(tree.valid, (0, pad), value=False))
 
 
 def accepted_past(path: Tensor, budgets: Tensor | Sequence[int]) -> Tensor:

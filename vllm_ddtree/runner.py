@@ -131,6 +131,13 @@ class DDTreeRunnerMixin:
         self.ddtree_aux_probe: torch.Tensor | None = None
         self.ddtree_host_views: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
         self.ddtree_budgets: torch.Tensor | None = None  # [R] of the last drafts
+        # Calibration of the model arm's q: every tree it verifies teaches it;
+        # a fixed arm's every CALIBRATE_EVERY-th (its tree is the first nodes
+        # of the full one, the same q; sparser, for a step as cheap as a
+        # fixed engine's). The model's trees are being verified now; the
+        # fixed arms' trees verified since the last lesson.
+        self.ddtree_model_tree = False
+        self.ddtree_uncalibrated = 0
         self.ddtree_step: dict | None = None  # the step being timed
         self.ddtree_gap = BusyGap()  # engine time between two runner steps, idle left out
         # Hybrid targets: the target's Gated DeltaNet layers and this step's
@@ -489,7 +496,7 @@ class DDTreeRunnerMixin:
             # what smaller budgets would have committed on these draws (the tuner's
             # shadow comparisons); read back with the sampled tokens
             self.ddtree_step["past"] = rnd.accepted_past(self.ddtree_shadow_cut)
-        if self.ddtree_policy is not None:
+        if self.ddtree_policy is not None and self._ddtree_calibrates():
             outcomes = rnd.node_outcomes()
             if outcomes is not None:
                 self.ddtree_policy.calibration.observe(*outcomes)
@@ -501,6 +508,17 @@ class DDTreeRunnerMixin:
         if sampling.max_num_logprobs is not None:
             logprobs = self._ddtree_logprobs(rnd, logits, processed, out, sampling, min_p)
         return SamplerOutput(sampled_token_ids=out.to(torch.int32), logprobs_tensors=logprobs)
+
+    def _ddtree_calibrates(self) -> bool:
+        """Whether this step's walk teaches the model arm's calibration (see
+        ``ddtree_model_tree``)."""
+        if self.ddtree_model_tree or self.ddtree_tuner is None:
+            return True
+        self.ddtree_uncalibrated += 1
+        if self.ddtree_uncalibrated < CALIBRATE_EVERY:
+            return False
+        self.ddtree_uncalibrated = 0
+        return True
 
     def _ddtree_node_rows(self, rnd, draft_token_ids) -> NodeRows:
         """The step's logits rows with each node's tree (host and device)."""
@@ -593,7 +611,8 @@ class DDTreeRunnerMixin:
                     # Requests still prefilling get no nodes (their drafts are dropped).
                     prefilling = self.discard_request_mask.gpu[:num_reqs]
                     valid = tree.valid & ~prefilling.bool()[:, None]
-                    if arm is None or arm.kind == "model":
+                    self.ddtree_model_tree = arm is None or arm.kind == "model"
+                    if self.ddtree_model_tree:
                         self.ddtree_budgets = policy.choose(tree.logq, valid).budgets
                     else:  # a fixed arm: each request's best `budget` nodes
                         self.ddtree_budgets = valid.sum(1).clamp(max=arm.budget)
@@ -1009,6 +1028,7 @@ class DDTreeRunnerMixin:
 
 
 PROFILE_MAX_TOKENS = 1024  # largest dummy forward of the start-up profile
+CALIBRATE_EVERY = 4  # a fixed arm's walks per lesson of the model arm's calibration
 # Plain steps' rows kept for the drafter's context before they are stored
 # anyway: as many as this many bytes of hidden states hold (8192 rows of an
 # 8B-class target's three 4096-wide bf16 layers), at least the row count.

@@ -317,6 +317,8 @@ def main() -> int:
                     help="output tokens per measurement, at least")
     ap.add_argument("--min-output", type=int, default=64,
                     help="output tokens per request, at least")
+    ap.add_argument("--tag", help="write default_<config>_<tag>.json (default: "
+                                  "default_<config>.json, overwritten)")
     ap.add_argument("--plot", help="PNG: tokens/s against concurrency per configuration")
     ap.add_argument("--replot", nargs="+", metavar="JSON",
                     help="print the tables of recorded results and draw them (--plot) "
@@ -342,7 +344,8 @@ def main() -> int:
     for name in args.config:
         res = run_config(name, args)
         res["args"] = vars(args)
-        (outdir / f"default_{name}.json").write_text(json.dumps(res, indent=1))
+        stem = f"default_{name}_{args.tag}" if args.tag else f"default_{name}"
+        (outdir / f"{stem}.json").write_text(json.dumps(res, indent=1))
         print(markdown(res), flush=True)
         results.append(res)
     if args.plot:

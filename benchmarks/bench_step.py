@@ -193,7 +193,8 @@ def _instrument(llm, timer: StepTimer, ddtree: bool, c_ref: list[int], plain_ste
 def step_arms(args) -> dict[str, dict]:
     """The two engines compared: the chain and DDTree at the same width, or
     (``--plain-mode``) a plain engine and DDTree held in plain mode, the
-    plain one without asynchronous scheduling with ``--plain-sync``."""
+    plain one without asynchronous scheduling with ``--plain-sync``; or
+    (``--held B``) a fixed-B engine and the default held at its fixed arm B."""
     if args.plain_sync and not args.plain_mode:
         raise SystemExit("--plain-sync compares plain-mode steps: add --plain-mode")
     if args.held:

@@ -72,13 +72,49 @@ def test_tuner_arm_steps_come_from_the_engine_counters(tmp_path):
 def test_plain_sync_turns_async_scheduling_off_for_the_plain_engine_only():
     from types import SimpleNamespace
 
-    args = SimpleNamespace(plain_mode=True, plain_sync=True, drafter="d", k=15)
+    args = SimpleNamespace(plain_mode=True, plain_sync=True, drafter="d", k=15, held=0,
+                           max_budget=64)
     arms = step_arms(args)
     assert arms["plain"]["llm"] == {"async_scheduling": False}
     assert "llm" not in arms["ddtree_plain_mode"]
     assert "llm" not in step_arms(SimpleNamespace(**{**vars(args), "plain_sync": False}))["plain"]
     with pytest.raises(SystemExit, match="--plain-mode"):
         step_arms(SimpleNamespace(**{**vars(args), "plain_mode": False}))
+
+
+def test_held_compares_a_fixed_engine_with_the_default_held_at_that_arm():
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(plain_mode=False, plain_sync=False, drafter="d", k=15, held=4,
+                           max_budget=64)
+    arms = step_arms(args)
+    assert list(arms) == ["fixed", "default_held"]
+    assert arms["fixed"]["spec"]["num_speculative_tokens"] == 4
+    assert arms["fixed"]["spec"]["ddtree_adaptive"] is False
+    assert arms["default_held"]["spec"]["num_speculative_tokens"] == 64
+    assert "ddtree_adaptive" not in arms["default_held"]["spec"]  # the default: adaptive
+    assert arms["default_held"]["hold"] == 4
+    with pytest.raises(SystemExit, match="not an arm"):
+        step_arms(SimpleNamespace(**{**vars(args), "held": 5}))
+    with pytest.raises(SystemExit, match="two different comparisons"):
+        step_arms(SimpleNamespace(**{**vars(args), "plain_mode": True}))
+
+
+def test_held_tuner_runs_the_held_arm_and_still_closes_trials():
+    from benchmarks.bench_step import _hold_tuner
+    from vllm_ddtree.core.tuner import RateTuner
+
+    real = RateTuner.arm
+    try:
+        _hold_tuner(8)
+        tuner = RateTuner(64)
+        for _ in range(200):
+            assert tuner.arm(4).name == "fixed8"
+            tuner.observe(4, 4 * 3.0, 0.01, verified=4 * 9, drafted=True)
+        assert tuner.closed > 0
+        assert {t.arm for t in tuner.history} == {"fixed8"}
+    finally:
+        RateTuner.arm = real
 
 
 def test_bench_default_plain_sync_arm_is_plain_without_async_scheduling():

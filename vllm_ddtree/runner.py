@@ -131,11 +131,11 @@ class DDTreeRunnerMixin:
         self.ddtree_aux_probe: torch.Tensor | None = None
         self.ddtree_host_views: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
         self.ddtree_budgets: torch.Tensor | None = None  # [R] of the last drafts
-        # Calibration of the model arm's q: every tree it verifies teaches it;
-        # a fixed arm's every CALIBRATE_EVERY-th (its tree is the first nodes
-        # of the full one, the same q; sparser, for a step as cheap as a
-        # fixed engine's). The model's trees are being verified now; the
-        # fixed arms' trees verified since the last lesson.
+        # The model arm's calibration of q learns from every walk of the
+        # model's trees and from every CALIBRATE_EVERY-th walk of a fixed
+        # arm's (the same q; sparser, so that a fixed arm's step costs what a
+        # fixed engine's does): whether the trees drafted last (verified
+        # next) are the model's, and the fixed walks since the last lesson.
         self.ddtree_model_tree = False
         self.ddtree_uncalibrated = 0
         self.ddtree_step: dict | None = None  # the step being timed

@@ -183,11 +183,11 @@ class TreeRound:
         if max(counts) > budget:
             raise DDTreeSeamError(f"DDTree: {max(counts)} draft nodes scheduled for one "
                                   f"request, but the tree budget is {budget}")
-        if trees is not None and trees.tree.tokens.shape[1] < budget:
+        width = budget if trees is None else trees.tree.tokens.shape[1]
+        if width < budget:
             # A tree built narrower than the budget (the adaptive budget's fixed
             # arm): the round is as wide as the tree, unless some request kept
             # wider drafts from an older step; then the tree is padded back.
-            width = trees.tree.tokens.shape[1]
             if max(counts) > width:
                 trees = ProposedTrees(trees.req_ids, tree_ops.widen(trees.tree, budget))
             else:

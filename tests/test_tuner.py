@@ -15,7 +15,7 @@ import random
 import pytest
 
 from benchmarks.tuner_sim import _accepted
-from vllm_ddtree.core.tuner import (Arm, RateTuner, _Bucket, _Trial, bucket_of, bucket_range,
+from vllm_ddtree.core.tuner import (Arm, RateTuner, _ArmStats, _Bucket, _Trial, bucket_of, bucket_range,
                                    budget_ladder)
 
 
@@ -501,12 +501,14 @@ def test_the_starting_budget_trades_short_loads_against_a_quick_cold_start():
     time, a plain step 4 ms, a tree step 30 ms at 0.4x plain's rate (fixed 2
     at 0.6x): what a benchmark's short rounds at high load look like. With
     no budget banked, one tree trial runs and the rest wait until exploring
-    has earned back what it lost: at least 93 % of plain's rate. With the
-    default, one trial's length banked, the cold start's tree trials take a
-    quarter of the time (below 87 %). But where trees win (the heavy pair:
-    fixed 4 at 1.9x plain) and the model, the first challenger, is a little
-    behind plain, the default has a tree leading within 3.5 s of engine
-    time; starting empty, the model's debt holds plain for over 4 s."""
+    has earned back what it lost: at least 93 % of plain's rate. With one
+    trial's length banked, the cold start's tree trials take a quarter of
+    the time (below 86 %); the default, a third of that, runs two (between
+    the two). But where trees win (the heavy pair: fixed 4 at 1.9x plain)
+    and the model, the first challenger, is a little behind plain, the
+    default has a tree leading within 3.5 s of engine time, as soon as with
+    a whole trial banked; starting empty, the model's debt holds plain for
+    over 4 s."""
     def delivered(start_credit, seed):
         tuner = RateTuner(64, start_credit=start_credit)
         per_req = {a.name: 250.0 if not a.drafts else 150.0 if a.name == "fixed2" else 100.0
@@ -534,9 +536,62 @@ def test_the_starting_budget_trades_short_loads_against_a_quick_cold_start():
         rate, trees = delivered(0.0, seed)
         assert rate > 0.93, (seed, rate, trees)
         assert len(trees) == 1, trees  # the one trial the cold start runs on credit
-        rate_banked, trees_banked = delivered(None, seed)  # the default
-        assert rate_banked < 0.87 and len(trees_banked) > 1, (seed, rate_banked, trees_banked)
-        assert first_tree_leads(None, seed) < 3.5 < 4.0 < first_tree_leads(0.0, seed), seed
+        rate_full, trees_full = delivered(0.3, seed)  # one trial's length
+        assert rate_full < 0.86 and len(trees_full) > 1, (seed, rate_full, trees_full)
+        rate_default, trees_default = delivered(None, seed)
+        assert rate_full + 0.02 < rate_default < rate, (seed, rate_default, trees_default)
+        assert len(trees_full) >= len(trees_default) == 2, trees_default
+        assert (first_tree_leads(None, seed) <= first_tree_leads(0.3, seed) + 0.1
+                < 3.6 < 4.0 < first_tree_leads(0.0, seed)), seed
+
+
+def test_a_measured_arm_runs_only_when_the_budget_covers_its_expected_loss():
+    """Sixteen requests, plain the incumbent at 4 ms a step; fixed 4 measured
+    at 0.3x plain and fixed 8 at 0.97x, both at 40 ms a step. A trial of
+    fixed 4 is abandoned after three counted steps and loses about
+    (3 + 2) * 40 ms * 0.7 = 0.14 s; one of fixed 8 runs its eight steps and
+    loses about 10 * 40 ms * 0.03 = 0.012 s. With 0.05 s of budget, fixed 8
+    may run and fixed 4 waits (the incumbent runs instead); with the budget
+    full, fixed 4 runs too (a full budget covers any trial). A trial the
+    budget covers is also what the tuner picks: the re-check of measured
+    arms on new text skips none, it waits for its budget."""
+    tuner = RateTuner(16)
+    assert tuner.arm(16) == Arm("plain")  # the bucket, and its first trial
+    bucket = tuner._buckets[bucket_of(16)]
+    bucket.best = "plain"
+    for name, rel, step in (("plain", 1.0, 0.004), ("fixed4", 0.3, 0.04),
+                            ("fixed8", 0.97, 0.04)):
+        bucket.stats[name] = _ArmStats(rel=rel, step=step, recent=[250.0 * rel], at=0.0,
+                                       trials=1, weight=1.0, reqs=16.0)
+    plain, fixed4, fixed8 = Arm("plain"), Arm("fixed", 4), Arm("fixed", 8)
+    assert tuner._expected_loss(bucket, "fixed4") == pytest.approx(5 * 0.04 * 0.7)
+    assert tuner._expected_loss(bucket, "fixed8") == pytest.approx(10 * 0.04 * 0.03)
+    assert tuner._expected_loss(bucket, "fixed16") == 0.0  # never measured: the sign decides
+    bucket.credit = 0.05
+    assert tuner._afford(bucket, "fixed8") == fixed8
+    assert tuner._afford(bucket, "fixed4") == plain
+    bucket.credit = tuner.trial_seconds
+    assert tuner._expected_loss(bucket, "fixed4") < tuner.trial_seconds
+    bucket.stats["fixed4"].step = 0.2  # a loss beyond what the budget can bank
+    assert tuner._expected_loss(bucket, "fixed4") > tuner.trial_seconds
+    assert tuner._afford(bucket, "fixed4") == fixed4
+    # through the public choice: with every other arm measured and the last
+    # trial the incumbent's, new text re-checks the arm measured longest
+    # ago (fixed 4) only once the budget covers it
+    for a in tuner.arms:
+        bucket.stats.setdefault(a.name, _ArmStats(rel=0.97, step=0.04, recent=[240.0],
+                                                 at=0.0, trials=1, weight=1.0, reqs=16.0,
+                                                 admitted=1.0))
+    bucket.stats["fixed4"].step = 0.04
+    bucket.last, bucket.ahead, bucket.renewed = "plain", False, 0.0
+    tuner._trial = None
+    tuner.admit(32)
+    bucket.credit = 0.05
+    assert tuner._next_arm(bucket_of(16), 16) == plain
+    assert bucket.renewed == 0.0  # the re-check is still due
+    bucket.credit = 0.2
+    assert tuner._next_arm(bucket_of(16), 16) == fixed4
+    assert bucket.renewed == tuner._texts
 
 
 def test_a_tree_measured_ahead_is_not_held_back_by_exploring_debt():

@@ -159,8 +159,8 @@ New text (``admit``)
     in one benchmark round) each had too few comparisons of their own to lead.
 
 Exploring is paid for, per bucket, from a budget of engine time
-    A bucket starts with ``start_credit`` of budget (``trial_seconds`` by
-    default); every step in it earns ``explore_share`` (2 %) of the step's
+    A bucket starts with ``start_credit`` of budget (a third of
+    ``trial_seconds`` by default); every step in it earns ``explore_share`` (2 %) of the step's
     seconds, up to ``trial_seconds`` banked; every trial of an arm other
     than the incumbent spends what it lost against it: its steps' seconds
     (the uncounted ones, the first and those carrying a prefill, timed at the
@@ -172,7 +172,15 @@ Exploring is paid for, per bucket, from a budget of engine time
     zero) the incumbent runs instead of the next cold-start arm or the arm
     the bound picks (the re-check of a replaced incumbent still runs, and so
     does the challenger measured furthest ahead of the incumbent, if by more
-    than ``noise``: its trials are expected to lose nothing). So
+    than ``noise``: its trials are expected to lose nothing). An arm already
+    measured runs only once the budget covers what its trial is expected to
+    lose, from its latest relative rate and step (its steps until it ends,
+    far behind or full, times its step times ``1 - rel``; a full budget
+    covers any trial): in a benchmark's half-second rounds at four and
+    sixteen requests on the tiny pairs, a tree at a third of plain's rate
+    whose steps cost five to ten plain steps ran on whatever budget was
+    left, one trial of it a quarter of a round, while trees close to plain
+    cost little and still run as often as the bound asks. So
     the trees tried at a load where a tree step costs twenty plain steps
     leave a debt that exploitation pays off before the next such trial, and
     what exploring loses is a bounded share of engine time whatever an
@@ -184,10 +192,12 @@ Exploring is paid for, per bucket, from a budget of engine time
     took 7 % of the steps and 30-40 % of the time); but where trees win and
     the first challenger (the model) loses a little, its debt holds the
     cold start at the incumbent (the heavy pair at four requests ran plain
-    through 25 trials while fixed 4 delivered 1.46x plain). One trial's
-    length lets the cold start run on. A trial cut short, too short to
-    measure, is charged at its arm's known relative rate or at that of its
-    few counted steps.
+    through 25 trials while fixed 4 delivered 1.46x plain). A third of one
+    trial's length (``start_credit``) lets the cold start run on past a
+    model a little behind, and no further: a whole trial's length banked
+    paid for two or three cold tree trials in every short load at high
+    load. A trial cut short, too short to measure, is charged at its arm's
+    known relative rate or at that of its few counted steps.
 
 The tuner holds no tensors and imports nothing from vLLM.
 """
@@ -376,7 +386,7 @@ class RateTuner:
         if not 0.0 < explore_share < 1.0:
             raise ValueError(f"RateTuner: explore_share must be in (0, 1), got {explore_share}")
         if start_credit is None:
-            start_credit = trial_seconds
+            start_credit = trial_seconds / 3
         if not 0.0 <= start_credit <= trial_seconds:
             raise ValueError("RateTuner: start_credit must be in [0, trial_seconds], got "
                              f"{start_credit}")
@@ -840,7 +850,7 @@ class RateTuner:
             # hard text, spent exploring's whole budget in 0.2 s)
             return self._by_name[bucket.best]
         due = self._timing_due(bucket) if bucket.credit >= 0.0 else None
-        if due is not None:
+        if due is not None and self._affordable(bucket, due):
             # an arm the incumbent's steps shadow, timed too long ago (or at
             # another batch size) for its shadow to count: a short timing
             # trial, within exploring's budget (on the hybrid at one request
@@ -869,7 +879,7 @@ class RateTuner:
                 and (bucket.best is None or not self._dominated(bucket, n))]
         if cold:
             rising = [n for n in cold if not self._past_a_fall(bucket, n)]
-            return self._by_name[(rising or cold)[0]]
+            return self._afford(bucket, (rising or cold)[0])
         measured = {n: s for n, s in bucket.stats.items() if s.rel is not None}
         total = sum(s.weight for s in measured.values())
         # what the incumbent delivers now: the median of its latest three
@@ -911,11 +921,58 @@ class RateTuner:
             old = [n for n in measured if n != bucket.best
                    and self._texts - measured[n].admitted >= turnover]
             if old:
-                bucket.renewed = self._texts
                 rising = [n for n in old if not self._past_a_fall(bucket, n)]
-                return self._by_name[min(rising or old, key=lambda n: (measured[n].admitted,
-                                                                      measured[n].at))]
-        return self._by_name[max(measured, key=score)]
+                name = min(rising or old, key=lambda n: (measured[n].admitted, measured[n].at))
+                if not self._affordable(bucket, name):
+                    return self._by_name[bucket.best]  # (the re-check waits for its budget)
+                bucket.renewed = self._texts
+                return self._by_name[name]
+        return self._afford(bucket, max(measured, key=score))
+
+    def _afford(self, bucket: _Bucket, name: str) -> Arm:
+        """``name`` if exploring's budget covers what its trial is expected to
+        lose, else the incumbent."""
+        if self._affordable(bucket, name):
+            return self._by_name[name]
+        return self._by_name[bucket.best]
+
+    def _affordable(self, bucket: _Bucket, name: str) -> bool:
+        """Whether the bucket's exploring budget covers what a trial of
+        ``name`` is expected to lose (``_expected_loss``; a full budget
+        covers any trial); always, for the incumbent or in a bucket without
+        one."""
+        if bucket.best is None or name == bucket.best:
+            return True
+        return bucket.credit >= min(self._expected_loss(bucket, name), self.trial_seconds)
+
+    def _expected_loss(self, bucket: _Bucket, name: str) -> float:
+        """Engine seconds a trial of ``name`` is expected to lose against the
+        incumbent, from its own latest measurement: its steps (the counted
+        ones, the first, and the incumbent's first step after it, which
+        verifies its drafts) at its typical step, times ``1 - rel``. The
+        counted steps: ``min_steps`` for a trial compared on the incumbent's
+        own text (a fixed arm under plain or under a smaller fixed
+        incumbent, or one the incumbent's steps shadow), else
+        ``trial_seconds`` of its steps; cut, for an arm ``_far_behind``
+        can end, where that ends it (``min_close * ((1 - abandon) /
+        (1 - rel))**2`` steps). An arm never measured costs nothing here:
+        the budget's sign alone decides its cold-start trial (guessing it
+        from the trees measured before it held the heavy pair at four
+        requests at plain, in ``benchmarks/tuner_sim.py``, after fixed 16
+        came out behind on hard text while fixed 4 delivered 1.5x)."""
+        st = bucket.stats.get(name)
+        if st is None or st.rel is None or st.step <= 0.0 or st.rel >= 1.0:
+            return 0.0
+        arm, best = self._by_name[name], self._by_name[bucket.best]
+        shadowed = self._shadowed(bucket, name)
+        one_text = shadowed or (arm.kind == "fixed" and (
+            best.kind == "plain" or (best.kind == "fixed" and best.budget < arm.budget)))
+        steps = (self.min_steps if one_text
+                 else max(self.min_steps, math.ceil(self.trial_seconds / st.step)))
+        if not shadowed:  # (a timing trial runs its min_steps)
+            cut = self.min_close * ((1.0 - self.abandon) / (1.0 - st.rel)) ** 2
+            steps = min(steps, max(self.min_close, math.ceil(cut)))
+        return (steps + 2) * st.step * (1.0 - st.rel)
 
     def _cold_order(self) -> list[str]:
         """Plain first (the cheapest trial, and the rate every tree must beat),

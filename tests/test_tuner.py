@@ -284,8 +284,9 @@ def test_back_in_a_bucket_after_a_while_the_incumbent_runs_first():
     """A challenger is compared with a recent trial of the incumbent: after
     the load spent longer than ``stale_seconds`` elsewhere (contexts grew,
     the machine changed), the incumbent is measured again first."""
-    rates = dict(RATES, plain=400.0)
-    # (a starting budget: the arms behind plain are all tried in the first bucket)
+    rates = dict(RATES, plain=300.0)
+    # (a starting budget, and trees not all clearly behind plain, at 0.5-0.67x:
+    # the arms behind plain are all tried in the first bucket)
     tuner = RateTuner(16, trial_seconds=0.05, start_credit=0.05)
     _run(tuner, lambda t, r: rates, 600, reqs_at=lambda t: 1, stalls=0.0)
     assert tuner.best(1) == Arm("plain")
@@ -503,12 +504,13 @@ def test_the_starting_budget_trades_short_loads_against_a_quick_cold_start():
     no budget banked, one tree trial runs and the rest wait until exploring
     has earned back what it lost: at least 93 % of plain's rate. With one
     trial's length banked, the cold start's tree trials take a quarter of
-    the time (below 86 %); the default, a third of that, runs two (between
-    the two). But where trees win (the heavy pair: fixed 4 at 1.9x plain)
-    and the model, the first challenger, is a little behind plain, the
-    default has a tree leading within 3.5 s of engine time, as soon as with
-    a whole trial banked; starting empty, the model's debt holds plain for
-    over 4 s."""
+    the time (below 86 %). The default, a third of that, runs one too: the
+    model came out clearly behind (below ``abandon``), so the next tree
+    waits for the budget to cover what the model's trial lost. But where
+    trees win (the heavy pair: fixed 4 at 1.9x plain) and the model, the
+    first challenger, is a little behind plain, the default has a tree
+    leading within 3.5 s of engine time, as soon as with a whole trial
+    banked; starting empty, the model's debt holds plain for over 4 s."""
     def delivered(start_credit, seed):
         tuner = RateTuner(64, start_credit=start_credit)
         per_req = {a.name: 250.0 if not a.drafts else 150.0 if a.name == "fixed2" else 100.0
@@ -539,8 +541,8 @@ def test_the_starting_budget_trades_short_loads_against_a_quick_cold_start():
         rate_full, trees_full = delivered(0.3, seed)  # one trial's length
         assert rate_full < 0.86 and len(trees_full) > 1, (seed, rate_full, trees_full)
         rate_default, trees_default = delivered(None, seed)
-        assert rate_full + 0.02 < rate_default < rate, (seed, rate_default, trees_default)
-        assert len(trees_full) >= len(trees_default) == 2, trees_default
+        assert rate_default > 0.93 and trees_default == ["model"], (seed, rate_default,
+                                                                    trees_default)
         assert (first_tree_leads(None, seed) <= first_tree_leads(0.3, seed) + 0.1
                 < 3.6 < 4.0 < first_tree_leads(0.0, seed)), seed
 
@@ -567,6 +569,13 @@ def test_a_measured_arm_runs_only_when_the_budget_covers_its_expected_loss():
     assert tuner._expected_loss(bucket, "fixed4") == pytest.approx(5 * 0.04 * 0.7)
     assert tuner._expected_loss(bucket, "fixed8") == pytest.approx(10 * 0.04 * 0.03)
     assert tuner._expected_loss(bucket, "fixed16") == 0.0  # never measured: the sign decides
+    # ... unless every tree measured came out clearly behind: then the cheapest
+    # of their trials, at most the starting budget
+    bucket.stats["fixed8"].rel = 0.4
+    assert tuner._expected_loss(bucket, "fixed16") == pytest.approx(tuner.start_credit)
+    bucket.stats["fixed4"].step = 0.01
+    assert tuner._expected_loss(bucket, "fixed16") == pytest.approx(5 * 0.01 * 0.7)
+    bucket.stats["fixed8"].rel, bucket.stats["fixed4"].step = 0.97, 0.04
     bucket.credit = 0.05
     assert tuner._afford(bucket, "fixed8") == fixed8
     assert tuner._afford(bucket, "fixed4") == plain

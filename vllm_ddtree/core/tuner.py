@@ -176,7 +176,9 @@ Exploring is paid for, per bucket, from a budget of engine time
     measured runs only once the budget covers what its trial is expected to
     lose, from its latest relative rate and step (its steps until it ends,
     far behind or full, times its step times ``1 - rel``; a full budget
-    covers any trial): in a benchmark's half-second rounds at four and
+    covers any trial), and one never measured, where every tree measured
+    came out clearly behind, once it covers the cheapest of their trials
+    (at most ``start_credit``): in a benchmark's half-second rounds at four and
     sixteen requests on the tiny pairs, a tree at a third of plain's rate
     whose steps cost five to ten plain steps ran on whatever budget was
     left, one trial of it a quarter of a round, while trees close to plain
@@ -955,13 +957,27 @@ class RateTuner:
         incumbent, or one the incumbent's steps shadow), else
         ``trial_seconds`` of its steps; cut, for an arm ``_far_behind``
         can end, where that ends it (``min_close * ((1 - abandon) /
-        (1 - rel))**2`` steps). An arm never measured costs nothing here:
-        the budget's sign alone decides its cold-start trial (guessing it
-        from the trees measured before it held the heavy pair at four
-        requests at plain, in ``benchmarks/tuner_sim.py``, after fixed 16
-        came out behind on hard text while fixed 4 delivered 1.5x)."""
+        (1 - rel))**2`` steps).
+
+        An arm never measured is guessed from the trees measured before it
+        only where every one of them came out clearly behind (below
+        ``abandon``): then as the cheapest of their trials, at most
+        ``start_credit`` (on dense_k7 at sixteen requests the model and
+        fixed 16 came out at 0.31-0.33x plain in the warm-up, and a fixed 8
+        cold trial, 0.31x, took a quarter of a measured round). Otherwise it
+        costs nothing here and the budget's sign alone decides its trial:
+        guessing it from trees only a little behind held the simulated heavy
+        pair at four requests (``benchmarks/tuner_sim.py``) at plain after
+        fixed 16 came out behind on hard text while fixed 4 delivers 1.5x."""
         st = bucket.stats.get(name)
-        if st is None or st.rel is None or st.step <= 0.0 or st.rel >= 1.0:
+        if st is None or st.rel is None or st.step <= 0.0:
+            trees = [n for n, s in bucket.stats.items()
+                     if n != bucket.best and self._by_name[n].drafts
+                     and s.rel is not None and s.step > 0.0]
+            if not trees or max(bucket.stats[n].rel for n in trees) >= self.abandon:
+                return 0.0
+            return min(self.start_credit, *(self._expected_loss(bucket, n) for n in trees))
+        if st.rel >= 1.0:
             return 0.0
         arm, best = self._by_name[name], self._by_name[bucket.best]
         shadowed = self._shadowed(bucket, name)

@@ -1061,3 +1061,25 @@ def test_a_lapsed_timing_is_taken_again_after_an_incumbent_trial():
     tuner = RateTuner(16, with_model=False, shadow_seconds=1e9)
     _text_steps(tuner, 4000, step_ms, 4.0, seed=5, text_seconds=1e9)
     assert sum(h.arm == "plain" for h in tuner.history) < len(timed) / 4
+
+
+def test_the_log_names_the_incumbent_first_and_marks_an_arm_ahead_unconfirmed():
+    """``describe`` (the runner's log line when the incumbent changes): the
+    arm the tuner runs and its rate first, then the others by rate; one
+    measured ahead of it, whose comparisons have not yet passed the
+    switching test, is marked as such, so the line never reads as if the
+    incumbent delivered the most while another arm's rate is higher."""
+    tuner = RateTuner(16)
+    assert tuner.describe(1) is None  # no bucket yet
+    tuner.arm(1)
+    bucket = tuner._buckets[bucket_of(1)]
+    assert tuner.describe(1) is None  # no incumbent yet
+    bucket.best = "fixed16"
+    for name, rel in (("fixed16", 1.0), ("plain", 1.3), ("fixed4", 0.5)):
+        bucket.stats[name] = _ArmStats(rel=rel, recent=[200.0] if name == "fixed16" else [])
+    line = tuner.describe(1)
+    assert line == ("fixed16 runs (tokens/s per request: fixed16 200.0, "
+                    "plain 260.0 (ahead, not yet confirmed), fixed4 100.0)"), line
+    bucket.stats["plain"].rel = 0.9
+    assert tuner.describe(1) == ("fixed16 runs (tokens/s per request: fixed16 200.0, "
+                                 "plain 180.0, fixed4 100.0)")

@@ -887,7 +887,8 @@ class DDTreeRunnerMixin:
 
     # ------------------------------------------------------------------ adaptive budget
     def _ddtree_log_best(self, num_reqs: int) -> None:
-        """Log when the arm that delivers the most changes at a batch size."""
+        """Log when the incumbent arm (the one the tuner runs) changes at a
+        batch size."""
         best = self.ddtree_tuner.best(num_reqs)
         if best is None:
             return
@@ -895,13 +896,10 @@ class DDTreeRunnerMixin:
         if self.ddtree_best.get(bucket) == best.name:
             return
         self.ddtree_best[bucket] = best.name
-        rates = self.ddtree_tuner.rates(num_reqs)
         lo, hi = bucket_range(bucket)
-        logger.info("DDTree adaptive budget: at %s requests %s delivers the most (%s)",
+        logger.info("DDTree adaptive budget: at %s requests %s",
                     f"{lo}-{hi}" if hi is not None and hi > lo else f"{lo}" if hi else f"{lo}+",
-                    best.name,
-                    ", ".join(f"{n} {r:.1f} tok/s per request" for n, r in
-                              sorted(rates.items(), key=lambda kv: -kv[1])))
+                    self.ddtree_tuner.describe(num_reqs))
 
     def _ddtree_start_policy(self) -> None:
         """Create the adaptive policy with its cost model: pinned by

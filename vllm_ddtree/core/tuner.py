@@ -522,6 +522,26 @@ class RateTuner:
         ref = bucket.stats[bucket.best].last
         return {n: s.rel * ref for n, s in bucket.stats.items() if s.rel is not None}
 
+    def describe(self, num_reqs: int) -> str | None:
+        """The incumbent of this batch size's bucket and the measured rates,
+        for the log: the incumbent first, then the other arms by rate, each
+        measured ahead of it marked as not yet confirmed (a challenger
+        becomes the incumbent only once its paired comparisons are ahead
+        beyond their noise, "Choice" above). None before the bucket has an
+        incumbent."""
+        best = self.best(num_reqs)
+        if best is None:
+            return None
+        rates = self.rates(num_reqs)
+        own = rates.get(best.name)
+        parts = [f"{best.name} {own:.1f}" if own is not None else best.name]
+        for name, rate in sorted(rates.items(), key=lambda kv: -kv[1]):
+            if name == best.name:
+                continue
+            ahead = own is not None and rate > own
+            parts.append(f"{name} {rate:.1f}" + (" (ahead, not yet confirmed)" if ahead else ""))
+        return f"{best.name} runs (tokens/s per request: {', '.join(parts)})"
+
     def last_measured(self) -> tuple[int, dict[str, float]] | None:
         """The bucket of the last trial that closed, with its arms' rates."""
         if not self.history:

@@ -871,8 +871,8 @@ class RateTuner:
             # at one request, five challengers in a row, each cut short on
             # hard text, spent exploring's whole budget in 0.2 s)
             return self._by_name[bucket.best]
-        due = self._timing_due(bucket) if bucket.credit >= 0.0 else None
-        if due is not None and self._affordable(bucket, due):
+        due = self._timing_due(bucket)
+        if due is not None and self._affordable(bucket, due):  # (never on a spent budget)
             # an arm the incumbent's steps shadow, timed too long ago (or at
             # another batch size) for its shadow to count: a short timing
             # trial, within exploring's budget (on the hybrid at one request

@@ -15,8 +15,8 @@ import random
 import pytest
 
 from benchmarks.tuner_sim import _accepted
-from vllm_ddtree.core.tuner import (Arm, RateTuner, _ArmStats, _Bucket, _Trial, bucket_of, bucket_range,
-                                   budget_ladder)
+from vllm_ddtree.core.tuner import (Arm, RateTuner, _ArmStats, _Bucket, _Trial, bucket_of,
+                                   bucket_range, budget_ladder)
 
 
 def test_ladder_and_buckets():

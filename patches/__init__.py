@@ -11,7 +11,7 @@ def all_patches() -> list[Patch]:
                                      cpu_gemm_handler_del, cpu_seed_rewind,
                                      gdn_plain_decode, gdn_tree, gdn_tree_cuda, logitsprocs,
                                      model_runner, request_params, spec_config, stat_loggers,
-                                     structured_output)
+                                     step_drafts, structured_output)
 
     return [spec_config.PATCH, spec_config.PREFIX_CACHING_DEFAULT, spec_config.BATCH_DEFAULTS,
             spec_config.DRAFTING_SLOTS,
@@ -21,4 +21,4 @@ def all_patches() -> list[Patch]:
             cpu_dflash_k_norm.PATCH, cpu_dflash_context_gemm.PATCH, cpu_gemm_handler_del.PATCH, gdn_tree.PATCH,
             gdn_plain_decode.PATCH, gdn_plain_decode.SUBSET,
             *gdn_tree_cuda.PATCHES, structured_output.UPDATE_DRAFTS, structured_output.BITMASK,
-            structured_output.SCHEDULE]
+            structured_output.SCHEDULE, *step_drafts.PATCHES]

@@ -159,3 +159,23 @@ def record_shadows() -> None:
         return drafts
 
     runner_mod.DDTreeRunnerMixin.propose_draft_token_ids = proposed
+
+
+def record_shadows_and_draft_calls() -> None:
+    """:func:`record_shadows`, and one line ``{"executor_take": n}`` per call
+    the engine core makes to its executor for a step's drafts (none when the
+    drafts ride on the steps' outputs: ``patches/step_drafts.py``)."""
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    record_shadows()
+    path = os.environ[ENV_SHADOW_LOG]
+    real = UniProcExecutor.take_draft_token_ids
+
+    def counted(self):
+        drafts = real(self)
+        with open(path, "a") as f:
+            f.write(json.dumps({"executor_take": 0 if drafts is None else
+                                len(drafts.req_ids)}) + "\n")
+        return drafts
+
+    UniProcExecutor.take_draft_token_ids = counted

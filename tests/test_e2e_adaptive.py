@@ -67,7 +67,8 @@ def test_adaptive_profiled_greedy_identical(plain, tiny_pair, tmp_path):
     # run's 96 steps however fast this machine's steps are (a 0.3 s plain
     # trial outlasts the run where a step takes under 3 ms).
     shadows = tmp_path / "shadows.jsonl"
-    res = _ddtree(tiny_pair, tmp_path, setup="tests.adaptive_probe:record_shadows",
+    res = _ddtree(tiny_pair, tmp_path,
+                  setup="tests.adaptive_probe:record_shadows_and_draft_calls",
                   env=dict(IN_PROCESS, VLLM_DDTREE_TRIAL_SECONDS="0.02",
                            **{ENV_SHADOW_LOG: str(shadows)}))
     _assert_identical(res, plain, "adaptive ddtree (profiled cost)")
@@ -76,6 +77,11 @@ def test_adaptive_profiled_greedy_identical(plain, tiny_pair, tmp_path):
     # did, rising with the budget; and some
     # fell short of the step's own count (deep nodes were accepted).
     lines = [json.loads(line) for line in shadows.read_text().splitlines()]
+    # Every step's drafts rode on its output: the engine core never asked
+    # the executor for them (patches/step_drafts.py), yet it verified trees.
+    calls = [s for s in lines if "executor_take" in s]
+    assert not calls, f"the engine core fetched drafts in {len(calls)} calls of its own"
+    lines = [s for s in lines if "executor_take" not in s]
     steps = [s for s in lines if "built" not in s]
     # A fixed arm builds trees of its own budget only (the first nodes of the
     # full tree); the model arm builds the full budget and cuts it.

@@ -945,10 +945,14 @@ class RateTuner:
             if old:
                 rising = [n for n in old if not self._past_a_fall(bucket, n)]
                 name = min(rising or old, key=lambda n: (measured[n].admitted, measured[n].at))
-                if not self._affordable(bucket, name):
-                    return self._by_name[bucket.best]  # (the re-check waits for its budget)
-                bucket.renewed = self._texts
-                return self._by_name[name]
+                if self._affordable(bucket, name):
+                    bucket.renewed = self._texts
+                    return self._by_name[name]
+                # The re-check waits for its budget, and the bound's pick
+                # goes on meanwhile: on the hybrid at one request a waiting
+                # re-check of the model (0.31x plain) held plain through
+                # nine trials, 2.5 s, while fixed 16 had just measured 1.99x
+                # plain and fixed 8 delivered 2.3x in its own engine.
         return self._afford(bucket, max(measured, key=score))
 
     def _afford(self, bucket: _Bucket, name: str) -> Arm:

@@ -168,6 +168,7 @@ def test_runner_refuses_a_step_with_an_unseen_layer():
     buffers = TreeStepBuffers(16, 4, B, LAYERS, "cpu")
     runner.ddtree, runner.ddtree_buffers, runner.ddtree_step = object(), buffers, None
     runner.ddtree_tp, runner.ddtree_plain_run = None, False
+    runner.execute_model_state = None  # vLLM's step state (a stand-in's output: no drafts)
     runner.ddtree_expected = frozenset(LAYERS)
     buffers.begin_step()
     for name in LAYERS:
